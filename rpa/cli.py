@@ -1,0 +1,83 @@
+"""``rpa`` command line: a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from rpa.tiny import TinySpec, build_tiny
+
+    spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec)})
+    out = build_tiny(args.out, spec)
+    print(f"rpa tiny: wrote {spec.arch} model ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}) to {out}")
+    return 0
+
+
+def _cmd_parity(args: argparse.Namespace) -> int:
+    from rpa.parity import run_parity
+
+    report = run_parity(args.model, args.regions, args.out, compiled=args.compiled,
+                        multiprocess=args.multiprocess, trainer_dtype=args.trainer_dtype)
+    if not report["plugin"]["active"]:
+        print(f"rpa parity: FAIL, plugin not active:\n{report['plugin']['error']}", file=sys.stderr)
+        return 2
+    for region, r in report["regions_report"].items():
+        verdict = "bitwise equal" if r["bitwise_equal"] else "DIFFERS"
+        print(f"  {region:8s} {verdict:13s} calls={r['calls']} elements={r['elements_checked']} "
+              f"equal={r['elements_equal']} max_abs_diff={r['max_abs_diff']:g}")
+    lp = report["logprobs"]
+    print(f"  logprobs (whole model, not gated): mean|dlogp|={lp['mean_abs_dlogp']:.3g} "
+          f"max={lp['max_abs_dlogp']:.3g} bitwise={lp['frac_bitwise_equal']:.3f}")
+    print(f"rpa parity: {'PASS' if report['passed'] else 'FAIL'} ({report['regions']}, {report['mode']}) -> {args.out}")
+    return 0 if report["passed"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rpa.tiny import TinySpec
+
+    parser = argparse.ArgumentParser(prog="rpa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="build a tiny random Qwen2/Qwen3 model + local tokenizer")
+    tiny.add_argument("--out", required=True, help="output directory")
+    for f in fields(TinySpec):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            tiny.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "arch":
+            tiny.add_argument(flag, choices=("qwen2", "qwen3"), default=f.default)
+        else:
+            tiny.add_argument(flag, type=type(f.default), default=f.default)
+    tiny.set_defaults(func=_cmd_tiny)
+
+    parity = sub.add_parser("parity", help="fail-closed bitwise check of region numerics, vLLM vs trainer")
+    parity.add_argument("--model", required=True, help="model directory (or hub id)")
+    parity.add_argument("--regions", required=True, help="'all' or a comma-separated subset of rope,swiglu,rmsnorm")
+    parity.add_argument("--out", required=True, help="JSON report path")
+    parity.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
+    parity.add_argument("--multiprocess", action="store_true", help="vLLM engine core in its own process")
+    parity.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="parameter dtype of the HF model (float32 = FP32 master, BF16 compute)")
+    parity.set_defaults(func=_cmd_parity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rpa.regions import RegionError, parse_regions
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "regions", None) is not None:
+        try:
+            parse_regions(args.regions)
+        except RegionError as err:
+            print(f"rpa: error: {err}", file=sys.stderr)
+            return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

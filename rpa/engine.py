@@ -1,0 +1,107 @@
+"""Starting vLLM with a region set, and checking from inside its workers that it took.
+
+The region set reaches every vLLM process through :data:`rpa.vllm_plugin.ENV_VAR`; it is
+fixed per process (see :mod:`rpa.vllm_plugin`). :func:`make_llm` sets it, starts the
+engine and runs :func:`verify_plugin`, which fails closed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rpa.regions import REGIONS, format_regions, parse_regions
+from rpa.vllm_plugin import ENV_VAR
+
+
+class PluginNotActiveError(RuntimeError):
+    """The vLLM engine does not run the requested alignment."""
+
+
+def _worker_status(worker) -> dict[str, Any]:
+    from rpa.vllm_plugin import plugin_status
+
+    return plugin_status(worker.model_runner.get_model())
+
+
+def _worker_start_capture(worker) -> None:
+    from rpa.vllm_plugin import start_capture
+
+    start_capture()
+
+
+def _worker_stop_capture(worker) -> list[dict[str, Any]]:
+    from rpa.vllm_plugin import stop_capture
+
+    return stop_capture()
+
+
+def worker_status(llm) -> list[dict[str, Any]]:
+    """:func:`rpa.vllm_plugin.plugin_status` from every worker of ``llm``."""
+    return llm.collective_rpc(_worker_status)
+
+
+def start_capture(llm) -> None:
+    llm.collective_rpc(_worker_start_capture)
+
+
+def stop_capture(llm) -> list[dict[str, Any]]:
+    """Captured aligned-op calls of all workers, concatenated."""
+    return [call for calls in llm.collective_rpc(_worker_stop_capture) for call in calls]
+
+
+def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
+    """Fail closed unless every worker aligns exactly ``regions`` in every matching layer."""
+    statuses = worker_status(llm)
+    want = format_regions(regions)
+    problems = []
+    for st in statuses:
+        where = f"worker pid {st['pid']}"
+        if not st["loaded"]:
+            problems.append(f"{where}: rpa plugin was not loaded (is the package installed, VLLM_PLUGINS unset?)")
+            continue
+        if st["regions"] != want:
+            problems.append(f"{where}: plugin aligns {st['regions']!r}, requested {want!r} "
+                            f"(the region set is fixed per process; start a new one)")
+        for region in REGIONS:
+            aligned = st["aligned_layers"].get(region, 0)
+            stock = st["stock_layers"].get(region, 0)
+            if region in regions and (aligned == 0 or stock):
+                problems.append(f"{where}: region {region!r}: {aligned} aligned and {stock} stock layers")
+            if region not in regions and aligned:
+                problems.append(f"{where}: region {region!r} is aligned but was not requested")
+    if problems:
+        raise PluginNotActiveError("vLLM alignment check failed:\n  " + "\n  ".join(problems))
+    return statuses
+
+
+def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool = True,
+             multiprocess: bool = False, seed: int = 0, max_model_len: int = 1024,
+             kv_cache_gib: int = 1, **llm_kwargs):
+    """A ``vllm.LLM`` in BF16 whose plugin aligns ``regions``, verified in every worker.
+
+    ``multiprocess=False`` runs the engine in this process (fast start); ``True`` uses
+    vLLM's default engine-core process (callers then need an ``if __name__ ==
+    "__main__"`` guard).
+    """
+    if isinstance(regions, str):
+        regions = parse_regions(regions)
+    want = format_regions(regions)
+    from rpa import vllm_plugin
+
+    if vllm_plugin._STATE["loaded"] and format_regions(vllm_plugin._STATE["regions"]) != want:
+        raise PluginNotActiveError(
+            f"this process already loaded the rpa plugin with regions "
+            f"{format_regions(vllm_plugin._STATE['regions'])!r}; {want!r} needs a new process"
+        )
+    os.environ[ENV_VAR] = want
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # collective_rpc ships the status/capture callables to the engine process by pickle.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    from vllm import LLM
+
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=enforce_eager, seed=seed,
+              max_model_len=max_model_len, **llm_kwargs)
+    verify_plugin(llm, regions)
+    return llm

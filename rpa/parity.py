@@ -1,0 +1,173 @@
+"""``rpa parity``: the fail-closed check that both sides run the same region numerics.
+
+The same token batch goes through vLLM (with the plugin, capturing every aligned op's
+inputs and outputs) and through the aligned HF model. Each captured vLLM call is replayed
+through the trainer-side implementation (the aligned HF modules themselves where the
+region has weights) and compared bitwise. The report (schema ``rpa.parity/1``, see
+README) also carries the whole-model logprob gap, for information: matmul and attention
+kernels are not aligned and keep it above zero.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rpa import numerics
+from rpa.regions import REGIONS, format_regions, parse_regions
+
+SCHEMA = "rpa.parity/1"
+DEFAULT_PROMPTS = (
+    "What is 12 + 7? Answer:",
+    "sort 3 1 2 -> 1 2 3",
+    "the number of words in this list is",
+    "count up: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28",
+)
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.checked = 0
+        self.equal = 0
+        self.max_abs_diff = 0.0
+        self.first_mismatch: dict[str, Any] | None = None
+
+    def add(self, what: str, got: Tensor, want: Tensor) -> None:
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise AssertionError(f"{what}: trainer gives {tuple(got.shape)} {got.dtype}, "
+                                 f"vLLM {tuple(want.shape)} {want.dtype}")
+        same = got == want
+        self.checked += same.numel()
+        self.equal += int(same.sum())
+        diff = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
+        self.max_abs_diff = max(self.max_abs_diff, diff)
+        if not bool(same.all()) and self.first_mismatch is None:
+            self.first_mismatch = {"what": what, "max_abs_diff": diff, "elements_differing": int((~same).sum())}
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "elements_checked": self.checked,
+            "elements_equal": self.equal,
+            "max_abs_diff": self.max_abs_diff,
+            "bitwise_equal": self.calls > 0 and self.checked == self.equal,
+            "first_mismatch": self.first_mismatch,
+        }
+
+
+def _find_norm(norms: list[torch.nn.Module], weight: Tensor) -> torch.nn.Module:
+    for module in norms:
+        if module.weight.shape == weight.shape and torch.equal(module.weight.detach().to(weight.dtype), weight):
+            return module
+    raise AssertionError("no trainer RMSNorm has the weight vLLM used (weights differ between the engines)")
+
+
+def replay(captured: list[dict[str, Any]], hf_model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Replay captured vLLM calls through the aligned HF model; one tally per region."""
+    from rpa.trainer import aligned_apply_rotary_pos_emb, check_supported
+
+    modeling = check_supported(hf_model)
+    prefix = "Qwen2" if hf_model.config.model_type == "qwen2" else "Qwen3"
+    norms = [m for m in hf_model.modules() if isinstance(m, getattr(modeling, f"{prefix}RMSNorm"))]
+    rotary = hf_model.model.rotary_emb
+    head_dim = getattr(hf_model.config, "head_dim", None) or hf_model.config.hidden_size // hf_model.config.num_attention_heads
+    device = next(hf_model.parameters()).device
+    tallies = {region: _Tally() for region in REGIONS}
+    with torch.no_grad():
+        for call in captured:
+            region, inp, out = call["region"], call["inputs"], call["outputs"]
+            inp = {k: v.to(device) for k, v in inp.items()}
+            tally = tallies[region]
+            tally.calls += 1
+            if region == "rmsnorm":
+                norm = _find_norm(norms, inp["weight"])
+                if "residual" in inp:
+                    # The HF decoder layer adds in the compute dtype (one rounding) before the norm.
+                    new_residual = inp["residual"] + inp["x"]
+                    tally.add("residual", new_residual.cpu(), out["residual"])
+                    tally.add("rmsnorm(add)", norm(new_residual).cpu(), out["out"])
+                else:
+                    tally.add("rmsnorm", norm(inp["x"]).cpu(), out["out"])
+            elif region == "swiglu":
+                gate, up = inp["x"].chunk(2, dim=-1)
+                tally.add("swiglu", numerics.swiglu(gate, up).cpu(), out["out"])
+            elif region == "rope":
+                positions, x = inp["positions"], inp["x"]
+                cos, sin = rotary(x, positions.reshape(1, -1))
+                heads = x.reshape(positions.numel(), -1, head_dim).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+                rotated, _ = aligned_apply_rotary_pos_emb(heads, heads, cos, sin)
+                tally.add("rope", rotated[0].transpose(0, 1).reshape(x.shape).cpu(), out["out"])
+    return {region: t.report() for region, t in tallies.items()}
+
+
+def token_batch(tokenizer, prompts=DEFAULT_PROMPTS) -> list[list[int]]:
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def hf_token_logprobs(model, token_ids: list[list[int]]) -> list[Tensor]:
+    """Trainer logprob of each token given its prefix (first token excluded), per sequence."""
+    out = []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for ids in token_ids:
+            t = torch.tensor([ids], device=device)
+            logp = torch.log_softmax(model(t).logits.float(), dim=-1)[0, :-1]
+            out.append(logp.gather(-1, t[0, 1:, None])[:, 0].cpu())
+    return out
+
+
+def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Path | None = None, *,
+               compiled: bool = False, multiprocess: bool = False, trainer_dtype: str = "bfloat16") -> dict[str, Any]:
+    """Run the check and write the report; ``report["passed"]`` is the verdict."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams, TokensPrompt
+
+    from rpa import engine
+    from rpa.provenance import provenance
+    from rpa.trainer import align_model
+
+    if isinstance(regions, str):
+        regions = parse_regions(regions)
+    if not regions:
+        raise ValueError("parity needs at least one aligned region ('none' has nothing to check)")
+    report: dict[str, Any] = {"schema": SCHEMA, "model": str(model_dir), "regions": format_regions(regions),
+                              "mode": "compiled" if compiled else "eager", "trainer_dtype": trainer_dtype,
+                              "provenance": provenance()}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = token_batch(tokenizer)
+    try:
+        llm = engine.make_llm(model_dir, regions, enforce_eager=not compiled, multiprocess=multiprocess)
+    except engine.PluginNotActiveError as err:
+        report.update(plugin={"active": False, "error": str(err)}, passed=False)
+        _write(report, out_path)
+        return report
+    report["plugin"] = {"active": True, "workers": engine.worker_status(llm)}
+    engine.start_capture(llm)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+    captured = engine.stop_capture(llm)
+    vllm_logprobs = [torch.tensor([d[i].logprob for d, i in zip(o.prompt_logprobs[1:], ids[1:])])
+                     for o, ids in zip(outputs, batch)]
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype))
+    with align_model(hf, regions):
+        report["regions_report"] = {r: v for r, v in replay(captured, hf).items() if r in regions}
+        hf_logprobs = hf_token_logprobs(hf, batch)
+    d = torch.cat([(a - b).abs() for a, b in zip(hf_logprobs, vllm_logprobs)])
+    report["logprobs"] = {"tokens": d.numel(), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+                          "frac_bitwise_equal": float((d == 0).float().mean())}
+    report["passed"] = all(v["bitwise_equal"] for v in report["regions_report"].values())
+    _write(report, out_path)
+    return report
+
+
+def _write(report: dict[str, Any], out_path: str | Path | None) -> None:
+    if out_path is not None:
+        path = Path(out_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")

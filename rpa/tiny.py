@@ -1,0 +1,146 @@
+"""Tiny random-weight Qwen2/Qwen3 models with a locally trained tokenizer.
+
+No model hub is needed: the tokenizer is a byte-level BPE trained on a synthetic corpus
+generated here, and the model is built from a config with random weights. The directory
+it writes loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer`` and with
+``vllm.LLM(model=DIR)`` like any hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ARCHS = ("qwen2", "qwen3")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = (
+    "the a of to and in is it that for on with as was by at be this are from or an but not what "
+    "all were when we there can which their if do will each about how up out them then she many "
+    "some so these would other into has more her two like him see time could no make than first "
+    "been its who now people my made over did down only way find use may water long little very "
+    "after words called just where most know get through back much before go good new write our "
+    "number sum answer question add plus minus times equal count list sort reverse copy repeat"
+).split()
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of a tiny model. vLLM's CPU attention needs ``head_dim`` in {32, 64, ...}."""
+
+    arch: str = "qwen3"
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    vocab_size: int = 512
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unsupported tiny arch {self.arch!r}; supported: {', '.join(ARCHS)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.arch == "qwen2" and self.hidden_size != self.num_attention_heads * self.head_dim:
+            raise ValueError("qwen2 needs hidden_size == num_attention_heads * head_dim")
+        if self.head_dim % 32:
+            raise ValueError("head_dim must be a multiple of 32 (vLLM CPU attention)")
+        if self.vocab_size < 300:
+            raise ValueError("vocab_size must be at least 300 (256 byte symbols + merges + specials)")
+
+
+def synthetic_corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Deterministic training text for the tokenizer: words, numbers, arithmetic."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.randrange(3)
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))))
+        elif kind == 1:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            lines.append(f"What is {a} + {b}? Answer: {a + b}")
+        else:
+            seq = [str(rng.randint(0, 9)) for _ in range(rng.randint(3, 8))]
+            lines.append(f"sort {' '.join(seq)} -> {' '.join(sorted(seq))}")
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int):
+    """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 30,
+    )
+
+
+def build_config(spec: TinySpec, tokenizer):
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    if spec.arch == "qwen2":
+        config = Qwen2Config(**common)
+    else:
+        config = Qwen3Config(head_dim=spec.head_dim, **common)
+    config.dtype = "bfloat16"
+    return config
+
+
+def build_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write a tiny random Qwen model, its tokenizer and ``rpa_tiny.json`` to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {spec.vocab_size}")
+    config = build_config(spec, tokenizer)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "rpa_tiny.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return out
