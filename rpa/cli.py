@@ -72,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "regions", None) is not None:
         try:
-            parse_regions(args.regions)
+            regions = parse_regions(args.regions)
         except RegionError as err:
             print(f"rpa: error: {err}", file=sys.stderr)
+            return 2
+        if args.command == "parity" and not regions:
+            print("rpa: error: parity needs at least one aligned region ('none' has nothing to check)",
+                  file=sys.stderr)
             return 2
     return args.func(args)
 

@@ -140,6 +140,10 @@ def build_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     config = build_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # norm weights off 1.0, so the weight multiply rounds like a trained model's
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "rpa_tiny.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")

@@ -1,0 +1,29 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rpa.tiny import TinySpec, build_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random Qwen2 and Qwen3 checkpoints (local tokenizer, no hub)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny(root / arch, TinySpec(arch=arch)) for arch in ("qwen2", "qwen3")}
+
+
+def run_py(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run ``python args...`` in a fresh process (vLLM's region set is fixed per process)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc
+
+
+def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
+    return f"rc={proc.returncode}\nstdout:\n{proc.stdout[-n:]}\nstderr:\n{proc.stderr[-n:]}"

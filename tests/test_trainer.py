@@ -1,0 +1,146 @@
+"""Trainer-side alignment on real HF Qwen2/Qwen3 models loaded from local directories."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rpa.trainer import UnsupportedModelError, align_model, positions_from_mask
+
+REGION_SETS = ["none", "rope", "swiglu", "rmsnorm", "rope,swiglu", "all"]
+
+
+def load(path, dtype=torch.bfloat16):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+@pytest.fixture(params=["qwen2", "qwen3"])
+def arch(request):
+    return request.param
+
+
+def fp32_master_and_bf16_copy(path):
+    m32 = load(path, torch.float32)
+    with torch.no_grad():  # master weights that are not BF16 values
+        for p in m32.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    m16 = load(path, torch.bfloat16)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m32.state_dict().items()})
+    return m32, m16
+
+
+@pytest.mark.parametrize("regions", REGION_SETS)
+def test_fp32_master_gives_bf16_copy_logits_bitwise(tiny_dirs, arch, regions):
+    m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
+    ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
+    with align_model(m32, regions), align_model(m16, regions), torch.no_grad():
+        a, b = m32(ids).logits, m16(ids).logits
+    assert a.dtype == torch.bfloat16
+    assert torch.equal(a, b)
+
+
+def test_fp32_master_without_patch_is_not_bf16_compute(tiny_dirs):
+    """Control: stock FP32 master under autocast is a different numerics."""
+    m32, m16 = fp32_master_and_bf16_copy(tiny_dirs["qwen3"])
+    ids = torch.randint(3, 500, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a = m32(ids).logits
+    with torch.no_grad():
+        b = m16(ids).logits
+    assert not torch.equal(a.to(torch.bfloat16), b)
+
+
+def logprobs(model, ids, mask=None):
+    with torch.no_grad():
+        return torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
+
+
+def test_positions_from_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_left_padding_does_not_shift_rope(tiny_dirs, arch):
+    """Bitwise with HF's eager attention. (PyTorch's CPU ``sdpa`` kernel is itself not
+    invariant to the number of masked keys, so with ``sdpa`` a padded row differs from the
+    row alone even at equal positions -- an attention-kernel effect the method leaves alone.)"""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.bfloat16, attn_implementation="eager")
+    pad = model.config.pad_token_id
+    long_seq, short_seq = list(range(10, 22)), list(range(40, 45))
+    n_pad = len(long_seq) - len(short_seq)
+    batch = torch.tensor([long_seq, [pad] * n_pad + short_seq])
+    mask = torch.tensor([[1] * len(long_seq), [0] * n_pad + [1] * len(short_seq)])
+    with align_model(model, "all"):
+        padded = logprobs(model, batch, mask)
+        alone = logprobs(model, torch.tensor([short_seq]))
+        alone_long = logprobs(model, torch.tensor([long_seq]))
+    assert torch.equal(padded[1, n_pad:], alone[0])
+    assert torch.equal(padded[0], alone_long[0])
+    # control: stock HF shifts positions by the pad count
+    stock_padded, stock_alone = logprobs(model, batch, mask), logprobs(model, torch.tensor([short_seq]))
+    assert not torch.equal(stock_padded[1, n_pad:], stock_alone[0])
+
+
+def test_remove_restores_stock_forward(tiny_dirs, arch):
+    model = load(tiny_dirs[arch])
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(1))
+    stock = logprobs(model, ids)
+    handle = align_model(model, "all")
+    aligned = logprobs(model, ids)
+    handle.remove()
+    assert not handle.active
+    assert torch.equal(logprobs(model, ids), stock)
+    assert not torch.equal(aligned, stock)
+    import transformers.models.qwen2.modeling_qwen2 as m2
+    assert not hasattr(m2.apply_rotary_pos_emb, "rpa_stock")
+
+
+def test_double_alignment_is_refused(tiny_dirs):
+    model = load(tiny_dirs["qwen2"])
+    with align_model(model, "rope"):
+        with pytest.raises(RuntimeError, match="already aligned"):
+            align_model(model, "all")
+
+
+def grads(model, ids, checkpointing=False):
+    model.zero_grad()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    logits = model(ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_gradients_match_fp32_reference_and_survive_checkpointing(tiny_dirs, arch):
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(2))
+    reference = grads(load(tiny_dirs[arch], torch.float32), ids)
+    model = load(tiny_dirs[arch], torch.float32)  # FP32 master, BF16 compute
+    with align_model(model, "all"):
+        aligned = grads(model, ids)
+        checkpointed = grads(model, ids, checkpointing=True)
+    for name, ref in reference.items():
+        assert aligned[name].dtype == torch.float32
+        rel = (aligned[name] - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert rel < 0.05, f"{name}: relative grad error {rel:.3g}"
+        # recomputation inside backward() runs the same aligned forward
+        assert torch.equal(checkpointed[name], aligned[name]), name
+
+
+def test_unsupported_architecture_is_refused():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(UnsupportedModelError, match="Qwen2/Qwen3.*llama.*Supported: qwen2"):
+        align_model(LlamaForCausalLM(config), "all")
+
+
+def test_unsupported_rope_scaling_is_refused(tiny_dirs):
+    model = load(tiny_dirs["qwen2"])
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'.*supported: default"):
+        align_model(model, "rope")
+
+
+def test_bad_region_name_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="unknown region"):
+        align_model(load(tiny_dirs["qwen3"]), "rope,attention")
