@@ -60,15 +60,14 @@ def run_probe(model_dir: str, regions: str | frozenset[str], out_dir: str | Path
     results = llm.generate(default_prompts(prompts, seed), params, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype))
     rows = []
+    completions = [(r.prompt_token_ids, c) for r in results for c in r.outputs]
     with align_model(hf, regions):
-        for r in results:
-            for c in r.outputs:
-                comp = list(c.token_ids)
-                mu = [lp[t].logprob for lp, t in zip(c.logprobs, comp)]
-                pi = trainer_logprobs(hf, list(r.prompt_token_ids), comp)
-                seq = len({row["seq"] for row in rows}) if rows else 0
-                for pos, (t, a, b) in enumerate(zip(comp, pi, mu)):
-                    rows.append({"seq": seq, "position": pos, "token_id": t, "logp_trainer": a, "logp_sampler": b})
+        for seq, (prompt_ids, c) in enumerate(completions):
+            comp = list(c.token_ids)
+            mu = [lp[t].logprob for lp, t in zip(c.logprobs, comp)]
+            pi = trainer_logprobs(hf, list(prompt_ids), comp)
+            for pos, (t, a, b) in enumerate(zip(comp, pi, mu)):
+                rows.append({"seq": seq, "position": pos, "token_id": t, "logp_trainer": a, "logp_sampler": b})
     metrics = mismatch_metrics([x["logp_trainer"] for x in rows], [x["logp_sampler"] for x in rows],
                                [x["seq"] for x in rows])
     summary = {"schema": SCHEMA, **metrics,
