@@ -109,18 +109,6 @@ def token_batch(tokenizer, prompts=DEFAULT_PROMPTS) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
-def hf_token_logprobs(model, token_ids: list[list[int]]) -> list[Tensor]:
-    """Trainer logprob of each token given its prefix (first token excluded), per sequence."""
-    out = []
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for ids in token_ids:
-            t = torch.tensor([ids], device=device)
-            logp = torch.log_softmax(model(t).logits.float(), dim=-1)[0, :-1]
-            out.append(logp.gather(-1, t[0, 1:, None])[:, 0].cpu())
-    return out
-
-
 def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Path | None = None, *,
                compiled: bool = False, multiprocess: bool = False, trainer_dtype: str = "bfloat16") -> dict[str, Any]:
     """Run the check and write the report; ``report["passed"]`` is the verdict."""
@@ -128,6 +116,7 @@ def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Pa
     from vllm import SamplingParams, TokensPrompt
 
     from rpa import engine
+    from rpa.probe import trainer_logprobs
     from rpa.provenance import provenance
     from rpa.trainer import align_model
 
@@ -157,7 +146,7 @@ def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Pa
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype))
     with align_model(hf, regions):
         report["regions_report"] = {r: v for r, v in replay(captured, hf).items() if r in regions}
-        hf_logprobs = hf_token_logprobs(hf, batch)
+        hf_logprobs = [torch.tensor(trainer_logprobs(hf, ids[:1], ids[1:])) for ids in batch]
     d = torch.cat([(a - b).abs() for a, b in zip(hf_logprobs, vllm_logprobs)])
     report["logprobs"] = {"tokens": d.numel(), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
                           "frac_bitwise_equal": float((d == 0).float().mean())}

@@ -34,6 +34,7 @@ def default_prompts(n: int, seed: int) -> list[str]:
 
 
 def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """Trainer log-probability of each completion token given everything before it."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + completion_ids], device=device)
     with torch.no_grad():
