@@ -17,7 +17,9 @@ from torch.utils import benchmark
 
 from rpa import numerics
 
-SHAPES = {  # Qwen2.5 dense configs (hidden, intermediate, layers, heads, kv heads, head_dim, vocab)
+SHAPES = {  # Qwen2.5 dense configs (hidden, intermediate, layers, heads, kv heads, vocab); "tiny" for a smoke run
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
