@@ -3,7 +3,7 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-RESULTS     ?= results
+CORES       ?= 2
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
@@ -23,11 +23,10 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 
 setup: $(STAMP)
 
+# The pipeline (Snakefile + experiments/config.yaml): tiny models, parity gate, probe grid,
+# per-layer diagnosis, tables and figures under results/cpu (the config's `results`).
 main: $(STAMP)
-	$(BIN)/rpa tiny --arch qwen3 --out $(RESULTS)/models/tiny-qwen3
-	$(BIN)/rpa tiny --arch qwen2 --out $(RESULTS)/models/tiny-qwen2
-	$(BIN)/rpa parity --model $(RESULTS)/models/tiny-qwen3 --regions all --out $(RESULTS)/parity/tiny-qwen3-all.json
-	$(BIN)/rpa parity --model $(RESULTS)/models/tiny-qwen2 --regions all --out $(RESULTS)/parity/tiny-qwen2-all.json
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs

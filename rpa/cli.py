@@ -36,15 +36,50 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
-def _cmd_probe(args: argparse.Namespace) -> int:
-    from rpa.probe import run_probe
+def _numerics(args: argparse.Namespace):
+    from rpa.numerics_config import NumericsConfig
 
-    s = run_probe(args.model, args.regions, args.out, prompts=args.prompts, samples=args.samples,
-                  max_tokens=args.max_tokens, seed=args.seed, compiled=args.compiled,
-                  trainer_dtype=args.trainer_dtype)
-    print(f"rpa probe: {s['config']['regions']}: tokens={s['tokens']} mean|dlogp|={s['mean_abs_dlogp']:.4g} "
+    return NumericsConfig.from_dict({"regions": args.regions, "precision": args.precision,
+                                     "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode})
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from rpa.probe import ProbeOptions, run_probe
+
+    options = ProbeOptions(prompts=args.prompts, samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
+                           compiled=args.compiled, full_kl_max_vocab=args.full_kl_max_vocab,
+                           ratio_band=tuple(args.ratio_band))
+    s = run_probe(args.model, _numerics(args), args.out, options, completions_path=args.completions)
+    bv = s["trainer_batch_variance"]["batch_vs_single"]
+    full = "n/a" if s["full_kl"] is None else f"{s['full_kl']:.3g}"
+    print(f"rpa probe: {s['config']['numerics']}: tokens={s['tokens']} mean|dlogp|={s['mean_abs_dlogp']:.4g} "
           f"p99={s['p99_abs_dlogp']:.4g} max={s['max_abs_dlogp']:.4g} bitwise={s['frac_bitwise_equal']:.3f} "
-          f"kl_k3={s['kl_k3']:.3g} -> {args.out}/summary.json")
+          f"kl_k3={s['kl_k3']:.3g} full_kl={full}; trainer batch vs batch-1 mean|d|={bv['mean_abs_dlogp']:.3g} "
+          f"-> {args.out}/summary.json")
+    return 0
+
+
+def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
+    from rpa.numerics_config import PRECISIONS, TRAINER_MODES
+
+    parser.add_argument("--regions", required=True, help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16",
+                        help="compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)")
+    parser.add_argument("--lm-head-fp32", action="store_true", help="LM head in FP32 on both sides (ScaleRL point)")
+    parser.add_argument("--trainer-mode", choices=TRAINER_MODES, default="compute",
+                        help="compute: parameters at the precision (FSDP-style, the study's baseline); "
+                             "autocast: FP32 parameters under torch.autocast (TRL default)")
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from rpa.diagnose import format_table, read_layers, run_diagnose, sequences_from
+
+    seqs = sequences_from(args.completions, args.model, args.sequences, args.seed)
+    s = run_diagnose(args.model, _numerics(args), args.out, seqs, seed=args.seed)
+    print(format_table(read_layers(f"{args.out}/layers.csv")))
+    first = s["first_divergence"]
+    where = "none (bitwise equal everywhere)" if first is None else f"layer {first['layer']} {first['boundary']}"
+    print(f"rpa diagnose: {s['config']['numerics']}: first divergence at {where} -> {args.out}/layers.csv")
     return 0
 
 
@@ -78,26 +113,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser("probe", help="sample with vLLM, rescore with the trainer, write mismatch metrics")
     probe.add_argument("--model", required=True, help="model directory (or hub id)")
-    probe.add_argument("--regions", required=True, help="'none', 'all' or a subset of rope,swiglu,rmsnorm")
+    _add_numerics_args(probe)
     probe.add_argument("--out", required=True, help="output directory (summary.json, tokens.csv)")
+    probe.add_argument("--completions", help="score these fixed completions (a completions.jsonl of another "
+                                             "probe run) instead of sampling")
     probe.add_argument("--prompts", type=int, default=16)
     probe.add_argument("--samples", type=int, default=2, help="completions per prompt")
     probe.add_argument("--max-tokens", type=int, default=64)
     probe.add_argument("--seed", type=int, default=0)
     probe.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
-    probe.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    probe.add_argument("--full-kl-max-vocab", type=int, default=4096,
+                       help="compute full_kl only for vocabularies up to this size")
+    probe.add_argument("--ratio-band", type=float, nargs=2, default=(0.8, 1.25), metavar=("LO", "HI"))
     probe.set_defaults(func=_cmd_probe)
+
+    diag = sub.add_parser("diagnose", help="per-layer, per-region-boundary hidden-state divergence, vLLM vs trainer")
+    diag.add_argument("--model", required=True, help="model directory (or hub id)")
+    _add_numerics_args(diag)
+    diag.add_argument("--out", required=True, help="output directory (layers.csv, summary.json)")
+    diag.add_argument("--completions", help="take token sequences (prompt + completion) from a probe's completions.jsonl")
+    diag.add_argument("--sequences", type=int, default=4, help="number of sequences")
+    diag.add_argument("--seed", type=int, default=0)
+    diag.set_defaults(func=_cmd_diagnose)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rpa.numerics_config import NumericsConfigError
     from rpa.regions import RegionError, parse_regions
 
     args = build_parser().parse_args(argv)
     if getattr(args, "regions", None) is not None:
         try:
             regions = parse_regions(args.regions)
-        except RegionError as err:
+            if hasattr(args, "precision"):
+                _numerics(args)
+        except (RegionError, NumericsConfigError) as err:
             print(f"rpa: error: {err}", file=sys.stderr)
             return 2
         if args.command == "parity" and not regions:

@@ -77,8 +77,8 @@ def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
 
 def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool = True,
              multiprocess: bool = False, seed: int = 0, max_model_len: int = 1024,
-             kv_cache_gib: int = 1, **llm_kwargs):
-    """A ``vllm.LLM`` in BF16 whose plugin aligns ``regions``, verified in every worker.
+             kv_cache_gib: int = 1, dtype: str = "bfloat16", **llm_kwargs):
+    """A ``vllm.LLM`` (``dtype``, BF16 by default) whose plugin aligns ``regions``, verified in every worker.
 
     ``multiprocess=False`` runs the engine in this process (fast start); ``True`` uses
     vLLM's default engine-core process (callers then need an ``if __name__ ==
@@ -101,7 +101,7 @@ def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool =
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     from vllm import LLM
 
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=enforce_eager, seed=seed,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
               max_model_len=max_model_len, **llm_kwargs)
     verify_plugin(llm, regions)
     return llm

@@ -41,3 +41,18 @@ def mismatch_metrics(logp_trainer, logp_sampler, seq_ids, ratio_band: tuple[floa
         "seq_log_ratio_max_abs": float(np.abs(seq_log_ratio).max()),
         "frac_ratio_outside": float(np.mean((ratio < lo) | (ratio > hi))),
     }
+
+
+def full_kl(logp_sampler, logp_trainer) -> np.ndarray:
+    """KL(μ‖π) = Σ_v μ(v) (log μ(v) − log π(v)) per position, over the whole vocabulary.
+
+    Inputs are log-distributions of shape [positions, vocab]; entries where μ is 0
+    (log μ = −inf) contribute nothing.
+    """
+    mu = np.asarray(logp_sampler, dtype=np.float64)
+    pi = np.asarray(logp_trainer, dtype=np.float64)
+    if mu.shape != pi.shape or mu.ndim != 2:
+        raise ValueError(f"need two [positions, vocab] arrays of equal shape, got {mu.shape} and {pi.shape}")
+    p = np.exp(mu)
+    terms = np.where(p > 0, p * (mu - np.where(p > 0, pi, 0.0)), 0.0)
+    return terms.sum(-1)

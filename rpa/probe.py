@@ -1,26 +1,74 @@
-"""Offline mismatch probe (first cut): sample with vLLM, rescore with the trainer.
+"""Offline mismatch probe: how far the sampler's policy μ (vLLM) is from the trainer's π.
 
-Completions are sampled at temperature 1 by vLLM with the plugin aligning ``regions``;
-the trainer-side HF model, aligned in the same regions, recomputes the log-probability
-of every sampled token (one sequence at a time, so its positions equal vLLM's). Writes
-``summary.json`` (the :mod:`rpa.metrics` names as top-level keys, plus config and
-provenance) and ``tokens.csv`` (one row per sampled token).
+For one model and one :class:`~rpa.numerics_config.NumericsConfig`:
+
+1. **Tokens.** Either sample completions here with vLLM (temperature 1, sampled-token
+   logprobs kept) or read a fixed set from ``--completions`` (what another probe run
+   wrote). The pipeline samples once per model and scores every configuration on those
+   identical tokens, so configurations are compared pairwise, token for token.
+2. **μ.** vLLM scores prompt + completion with ``prompt_logprobs`` (decode-time logprobs
+   equal prompt logprobs on the same tokens; a probe that samples checks that and
+   reports the share that agree bitwise). Where the vocabulary is at most
+   ``full_kl_max_vocab``, vLLM returns the whole distribution at every completion
+   position and ``full_kl`` = KL(μ‖π) is computed per position; above that, vLLM would
+   have to materialise ``vocab`` Python objects per token, so ``full_kl`` is ``null``
+   with the reason in ``full_kl_note``.
+3. **π, engine gap.** The trainer-side HF model, aligned and cast as the configuration
+   says, recomputes every completion token one sequence at a time (batch 1, no padding:
+   positions equal vLLM's). The DESIGN metrics over these are the top-level keys.
+4. **π, trainer batch variance.** The same tokens in one padded batch laid out as TRL
+   lays them out (prompts left-padded, completions right-padded, no ``position_ids``).
+   ``trainer_batch_variance`` compares batch vs batch-1 (the trainer's own noise) and
+   batch vs μ (the gap TRL would see).
+
+Outputs in ``out_dir``: ``summary.json`` (schema :data:`SCHEMA`), ``tokens.csv`` (one row
+per completion token, columns :data:`TOKEN_COLUMNS`) and, when sampling,
+``completions.jsonl``. Trainer log-softmax is taken in FP32, as vLLM does.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import random
+import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from rpa.metrics import mismatch_metrics
-from rpa.regions import format_regions, parse_regions
+from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
+from rpa.numerics_config import NumericsConfig
 
-SCHEMA = "rpa.probe/0"
+SCHEMA = "rpa.probe/1"
+TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
+                 "logp_trainer_batch", "logp_decode", "full_kl")
+"""``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
+exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time) and ``full_kl``
+are empty where not measured."""
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    prompts: int = 16
+    samples: int = 2
+    max_tokens: int = 64
+    seed: int = 0
+    compiled: bool = False
+    full_kl_max_vocab: int = 4096
+    ratio_band: tuple[float, float] = RATIO_BAND
+    max_model_len: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "samples", "max_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+        lo, hi = self.ratio_band
+        if not 0 < lo < 1 < hi:
+            raise ValueError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {self.ratio_band}")
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -33,52 +81,210 @@ def default_prompts(n: int, seed: int) -> list[str]:
     return out
 
 
-def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """Trainer log-probability of each completion token given everything before it."""
+def _log(msg: str) -> None:
+    print(f"[rpa probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------ tokens
+
+
+def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Temperature-1 samples with vLLM's decode-time logprob of each sampled token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
+    completions = []
+    for result in llm.generate(prompts, params, use_tqdm=False):
+        for c in result.outputs:
+            ids = list(c.token_ids)
+            completions.append({"seq": len(completions), "prompt_ids": list(result.prompt_token_ids),
+                                "completion_ids": ids,
+                                "logp_decode": [lp[t].logprob for lp, t in zip(c.logprobs, ids)]})
+    return [c for c in completions if c["completion_ids"]]
+
+
+def save_completions(path: Path, completions: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for c in completions:
+            f.write(json.dumps(c) + "\n")
+
+
+def load_completions(path: str | Path) -> list[dict[str, Any]]:
+    """Completions written by :func:`save_completions` (``logp_decode`` is dropped: it
+    belongs to the configuration that sampled them)."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            c = json.loads(line)
+            missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
+            if missing:
+                raise ValueError(f"{path}:{n}: missing {sorted(missing)}")
+            out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
+    if not out:
+        raise ValueError(f"{path}: no completions")
+    return out
+
+
+# ------------------------------------------------------------------------ scoring
+
+
+def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[float]], list[np.ndarray] | None]:
+    """vLLM's logprob of every completion token via ``prompt_logprobs``; with ``top_k`` =
+    vocabulary size also the full log-distribution at each completion position."""
+    from vllm import SamplingParams
+
+    # flat_logprobs + no detokenizing: a full-vocabulary row is a slice of flat arrays,
+    # not `vocab` Python objects (15x faster on the tiny models).
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k or 0, flat_logprobs=True,
+                            detokenize=False)
+    inputs = [{"prompt_token_ids": c["prompt_ids"] + c["completion_ids"]} for c in completions]
+    logps, dists = [], [] if top_k else None
+    for c, result in zip(completions, llm.generate(inputs, params, use_tqdm=False)):
+        flat, start, ids = result.prompt_logprobs, len(c["prompt_ids"]), c["completion_ids"]
+        token_ids, values = np.asarray(flat.token_ids), np.asarray(flat.logprobs, dtype=np.float64)
+        picked, dist = [], np.full((len(ids), top_k or 1), -np.inf)
+        for j, tok in enumerate(ids):
+            lo, hi = flat.start_indices[start + j], flat.end_indices[start + j]
+            row_ids, row_lp = token_ids[lo:hi], values[lo:hi]
+            hit = np.flatnonzero(row_ids == tok)
+            if hit.size == 0:
+                raise RuntimeError(f"vLLM returned no logprob for completion token {tok} of sequence {c['seq']}")
+            picked.append(float(row_lp[hit[0]]))
+            if top_k:
+                dist[j, row_ids] = row_lp
+                if np.isneginf(dist[j]).any():
+                    raise RuntimeError(f"vLLM returned {np.isfinite(dist[j]).sum()} of {top_k} logprobs; "
+                                       f"cannot compute full_kl")
+        logps.append(picked)
+        if top_k:
+            dists.append(dist)
+    return logps, dists
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """Trainer log-probability of each completion token given everything before it
+    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
+    import torch
+
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + completion_ids], device=device)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1 : -1], dim=-1)
-    return logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+        logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1: -1], dim=-1)
+    picked = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+    return (picked, logp.double().cpu().numpy()) if full else picked
 
 
-def run_probe(model_dir: str, regions: str | frozenset[str], out_dir: str | Path, *, prompts: int = 16,
-              samples: int = 2, max_tokens: int = 64, seed: int = 0, compiled: bool = False,
-              trainer_dtype: str = "bfloat16") -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
+def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]:
+    """All sequences in one batch, laid out as TRL does: prompts left-padded, completions
+    right-padded, an attention mask and no ``position_ids``."""
+    import torch
+
+    device = next(model.parameters()).device
+    p_len = max(len(c["prompt_ids"]) for c in completions)
+    c_len = max(len(c["completion_ids"]) for c in completions)
+    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(completions):
+        p, y = c["prompt_ids"], c["completion_ids"]
+        ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
+        mask[i, p_len - len(p): p_len + len(y)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    logp = torch.log_softmax(logits[:, p_len - 1: -1], dim=-1).gather(-1, ids[:, p_len:, None].to(device))[..., 0]
+    return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
+
+
+def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    d = np.abs(x - y)
+    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "frac_bitwise_equal": float(np.mean(np.asarray(a) == np.asarray(b)))}
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options: ProbeOptions = ProbeOptions(),
+              completions_path: str | Path | None = None) -> dict[str, Any]:
+    """Run the probe; writes ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from rpa.engine import make_llm
     from rpa.provenance import provenance
-    from rpa.trainer import align_model
 
-    if isinstance(regions, str):
-        regions = parse_regions(regions)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    llm = make_llm(model_dir, regions, enforce_eager=not compiled, seed=seed)
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
-    results = llm.generate(default_prompts(prompts, seed), params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype))
+    t0 = time.time()
+    hf_config = AutoConfig.from_pretrained(model)
+    vocab = int(hf_config.vocab_size)
+    full = vocab <= options.full_kl_max_vocab
+    _log(f"{model}: {numerics.to_dict()}; starting vLLM ({'compiled' if options.compiled else 'eager'})")
+    llm = make_llm(model, numerics.regions, enforce_eager=not options.compiled, seed=options.seed,
+                   max_model_len=options.max_model_len, enable_prefix_caching=False,
+                   max_logprobs=vocab if full else 20, **numerics.vllm_kwargs())
+    if completions_path is None:
+        completions = sample_completions(llm, default_prompts(options.prompts, options.seed), options.samples,
+                                         options.max_tokens)
+        save_completions(out / "completions.jsonl", completions)
+        _log(f"sampled {len(completions)} completions")
+    else:
+        completions = load_completions(completions_path)
+        _log(f"scoring {len(completions)} fixed completions from {completions_path}")
+    mu, mu_dist = sampler_logprobs(llm, completions, vocab if full else None)
+    _log("vLLM scoring done; trainer side")
+
+    hf, alignment = numerics.load_trainer_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pi, pi_kl = [], []
+    with numerics.trainer_context():
+        for c, dist in zip(completions, mu_dist or [None] * len(completions)):
+            if full:
+                picked, pi_dist = trainer_logprobs(hf, c["prompt_ids"], c["completion_ids"], full=True)
+                pi_kl.append(full_kl(dist, pi_dist))
+            else:
+                picked = trainer_logprobs(hf, c["prompt_ids"], c["completion_ids"])
+            pi.append(picked)
+        pi_batch = trainer_batch_logprobs(hf, completions, pad_id)
+    alignment.remove()
+
     rows = []
-    completions = [(r.prompt_token_ids, c) for r in results for c in r.outputs]
-    with align_model(hf, regions):
-        for seq, (prompt_ids, c) in enumerate(completions):
-            comp = list(c.token_ids)
-            mu = [lp[t].logprob for lp, t in zip(c.logprobs, comp)]
-            pi = trainer_logprobs(hf, list(prompt_ids), comp)
-            for pos, (t, a, b) in enumerate(zip(comp, pi, mu)):
-                rows.append({"seq": seq, "position": pos, "token_id": t, "logp_trainer": a, "logp_sampler": b})
-    metrics = mismatch_metrics([x["logp_trainer"] for x in rows], [x["logp_sampler"] for x in rows],
-                               [x["seq"] for x in rows])
-    summary = {"schema": SCHEMA, **metrics,
-               "config": {"model": str(model_dir), "regions": format_regions(regions), "prompts": prompts,
-                          "samples": samples, "max_tokens": max_tokens, "seed": seed,
-                          "mode": "compiled" if compiled else "eager", "trainer_dtype": trainer_dtype},
-               "provenance": provenance()}
+    for i, c in enumerate(completions):
+        decode = c.get("logp_decode")
+        for j, tok in enumerate(c["completion_ids"]):
+            rows.append({"seq": c["seq"], "position": j, "token_id": tok, "logp_trainer": pi[i][j],
+                         "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
+                         "logp_trainer_batch": pi_batch[i][j],
+                         "logp_decode": "" if decode is None else decode[j],
+                         "full_kl": float(pi_kl[i][j]) if full else ""})
+    col = lambda name: [r[name] for r in rows]  # noqa: E731
+    metrics = mismatch_metrics(col("logp_trainer"), col("logp_sampler"), col("seq"), options.ratio_band)
+    summary: dict[str, Any] = {"schema": SCHEMA, **metrics}
+    if full:
+        kl = np.concatenate(pi_kl)
+        summary.update(full_kl=float(kl.mean()), full_kl_max=float(kl.max()),
+                       full_kl_note=f"exact KL(mu||pi) over all {vocab} vocabulary entries, mean over positions")
+    else:
+        summary.update(full_kl=None, full_kl_max=None,
+                       full_kl_note=f"vocabulary {vocab} > full_kl_max_vocab {options.full_kl_max_vocab}: not computed")
+    summary["trainer_batch_variance"] = {
+        "batch_size": len(completions),
+        "batch_vs_single": _pair_stats(col("logp_trainer_batch"), col("logp_trainer")),
+        "batch_vs_sampler": _pair_stats(col("logp_trainer_batch"), col("logp_sampler")),
+    }
+    if completions_path is None:
+        summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
+    summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
+                         "mode": "compiled" if options.compiled else "eager",
+                         "completions": str(completions_path) if completions_path else "sampled",
+                         "trainer": alignment.describe(), "vocab_size": vocab}
+    summary["provenance"] = provenance()
+    summary["wall_s"] = round(time.time() - t0, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out / "tokens.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
+    _log(f"done in {summary['wall_s']} s -> {out}")
     return summary

@@ -44,6 +44,9 @@ class TinySpec:
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    """Std of the random weights; larger gives peakier next-token distributions (a random
+    model at 0.02 is near uniform, so every sampled token has p ~ 1/vocab)."""
     seed: int = 0
 
     def validate(self) -> None:
@@ -55,6 +58,8 @@ class TinySpec:
             raise ValueError("qwen2 needs hidden_size == num_attention_heads * head_dim")
         if self.head_dim % 32:
             raise ValueError("head_dim must be a multiple of 32 (vLLM CPU attention)")
+        if not self.initializer_range > 0:
+            raise ValueError("initializer_range must be > 0")
         if self.vocab_size < 300:
             raise ValueError("vocab_size must be at least 300 (256 byte symbols + merges + specials)")
 
@@ -117,6 +122,7 @@ def build_config(spec: TinySpec, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        initializer_range=spec.initializer_range,
     )
     if spec.arch == "qwen2":
         config = Qwen2Config(**common)

@@ -101,6 +101,21 @@ def _linear_forward_cast(self, x: Tensor) -> Tensor:
     return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
 
+def _lm_head_forward_fp32(self, x: Tensor) -> Tensor:
+    """LM head in FP32 (ScaleRL; vLLM ``head_dtype=float32`` on CPU does the same casts).
+
+    With FP32 masters in compute mode the weight is first taken at the compute dtype (what an
+    FSDP-style trainer gathers); in autocast mode the FP32 master is used as it is (TRL).
+    """
+    weight, bias = self.weight, self.bias
+    dtype = self.__dict__.get("_rpa_compute_dtype")
+    if dtype is not None:
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
 def _embedding_forward_cast(self, input_ids: Tensor) -> Tensor:
     weight = self.weight.to(self._rpa_compute_dtype)
     return F.embedding(input_ids, weight, self.padding_idx, self.max_norm, self.norm_type,
@@ -186,6 +201,7 @@ class TrainerAlignment:
     regions: frozenset[str]
     compute_dtype: torch.dtype | None
     cast_params: bool
+    lm_head_fp32: bool = False
     patched: list[nn.Module] = field(default_factory=list)
     uses_rope_dispatch: bool = False
     active: bool = True
@@ -195,6 +211,7 @@ class TrainerAlignment:
             "regions": format_regions(self.regions),
             "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
             "cast_fp32_master_params": self.cast_params,
+            "lm_head_fp32": self.lm_head_fp32,
             "patched_modules": len(self.patched),
             "active": self.active,
         }
@@ -253,8 +270,12 @@ def _rope_table(model: nn.Module) -> Tensor:
 
 
 def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
-                compute_dtype: torch.dtype | None = torch.bfloat16) -> TrainerAlignment:
-    """Align ``model`` (a HF Qwen2/Qwen3 causal LM) in ``regions``; see the module doc."""
+                compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False) -> TrainerAlignment:
+    """Align ``model`` (a HF Qwen2/Qwen3 causal LM) in ``regions``; see the module doc.
+
+    ``lm_head_fp32`` runs the LM head in FP32 on FP32 copies of its (compute-dtype)
+    weights, outside autocast: the FP32-LM-head comparison point, not part of the regions.
+    """
     if isinstance(regions, str):
         regions = parse_regions(regions)
     modeling = check_supported(model)
@@ -265,7 +286,7 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     if cast_params and not param_dtypes <= {torch.float32, compute_dtype}:
         raise UnsupportedModelError(f"parameters are {sorted(map(str, param_dtypes))}; BF16 compute needs "
                                     f"{compute_dtype} or FP32 master parameters")
-    handle = TrainerAlignment(model, regions, compute_dtype, cast_params)
+    handle = TrainerAlignment(model, regions, compute_dtype, cast_params, lm_head_fp32)
     prefix = "Qwen2" if model.config.model_type == "qwen2" else "Qwen3"
     norm_cls, mlp_cls = getattr(modeling, f"{prefix}RMSNorm"), getattr(modeling, f"{prefix}MLP")
     attn_cls = getattr(modeling, f"{prefix}Attention")
@@ -276,7 +297,11 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
         handle.patched.append(module)
 
     try:
+        if lm_head_fp32:
+            patch(model.lm_head, _lm_head_forward_fp32, _rpa_compute_dtype=compute_dtype if cast_params else None)
         for module in model.modules():
+            if lm_head_fp32 and module is model.lm_head:
+                continue
             if isinstance(module, norm_cls):
                 if "rmsnorm" in regions:
                     patch(module, _rms_norm_forward)

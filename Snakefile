@@ -1,0 +1,236 @@
+# rpa pipeline: models -> parity gate -> probe grid + per-layer diagnosis -> tables + figures.
+#
+#   snakemake --cores 2                                   # CPU default (experiments/config.yaml)
+#   snakemake --workflow-profile experiments/profiles/slurm --configfile my.yaml
+#   (a --configfile replaces experiments/config.yaml; it is not merged into it)
+#
+# Stages (rules grouped below in this order): models, gate, probe, diagnose, analysis.
+# The config is validated twice before any job starts: its shape against
+# experiments/schema/config.schema.yaml, its meaning by rpa.pipeline.check_config.
+
+import re
+
+from snakemake.utils import validate
+
+from rpa.pipeline import check_config, numerics_flags, tiny_flags
+
+
+# The default grid, unless a complete config came with --configfile (Snakemake would
+# otherwise deep-merge the two, and a smaller grid would silently keep the default's
+# entries). --config key=value overrides still apply on top of either.
+if "models" not in config:
+
+    configfile: "experiments/config.yaml"
+
+
+validate(config, "experiments/schema/config.schema.yaml")
+check_config(config)
+
+R = config["results"]
+MODELS = list(config["models"])
+PROBE = config["probe"]
+CONFIGS = list(PROBE["configs"])
+SAMPLER = PROBE["sampler"]
+DIAGNOSE = config["diagnose"].get("configs", [])
+FIGURES = config["figures"]
+ENV = f"envs/rpa-{config.get('env', 'cpu')}.yaml"
+
+
+wildcard_constraints:
+    model="|".join(map(re.escape, MODELS)),
+    numerics="|".join(map(re.escape, CONFIGS)),
+
+
+def model_path(wildcards):
+    """Local directory or hub id that rpa commands load."""
+    spec = config["models"][wildcards.model]
+    return f"{R}/models/{wildcards.model}" if "tiny" in spec else spec["path"]
+
+
+def model_input(wildcards):
+    """File dependency on a model built here (none for a path or hub id)."""
+    spec = config["models"][wildcards.model]
+    return [f"{R}/models/{wildcards.model}/config.json"] if "tiny" in spec else []
+
+
+def probe_summaries(wildcards=None):
+    return expand(f"{R}/probe/{{model}}/{{numerics}}/summary.json", model=MODELS, numerics=CONFIGS)
+
+
+def diagnose_tables(wildcards=None):
+    return expand(f"{R}/diagnose/{{model}}/{{numerics}}/layers.csv", model=MODELS, numerics=DIAGNOSE)
+
+
+rule all:
+    input:
+        f"{R}/tables/probe.csv",
+        f"{R}/tables/probe.md",
+        f"{R}/tables/diagnose.csv",
+        expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=["mismatch", "dlogp_vs_prob", "layers"]),
+
+
+# ----------------------------------------------------------------------------- models
+
+
+rule tiny_model:
+    output:
+        f"{R}/models/{{model}}/config.json",
+    params:
+        flags=lambda wc: tiny_flags(config["models"][wc.model]["tiny"]),
+        out=lambda wc: f"{R}/models/{wc.model}",
+    log:
+        f"{R}/logs/models/{{model}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "rpa tiny --out {params.out} {params.flags} > {log} 2>&1"
+
+
+# ------------------------------------------------------------------------------- gate
+
+
+rule parity:
+    input:
+        model_input,
+    output:
+        f"{R}/parity/{{model}}.json",
+    params:
+        model=model_path,
+        regions=config["parity"]["regions"],
+        compiled="--compiled" if config["parity"].get("compiled") else "",
+    log:
+        f"{R}/logs/parity/{{model}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=6000,
+        runtime=30,
+    shell:
+        "rpa parity --model {params.model} --regions {params.regions} {params.compiled} --out {output} > {log} 2>&1"
+
+
+# ------------------------------------------------------------------------------ probe
+
+
+def probe_options():
+    lo, hi = PROBE.get("ratio_band", [0.8, 1.25])
+    opts = (f"--prompts {PROBE.get('prompts', 16)} --samples {PROBE.get('samples', 2)} "
+            f"--max-tokens {PROBE.get('max_tokens', 64)} --seed {PROBE.get('seed', 0)} "
+            f"--full-kl-max-vocab {PROBE.get('full_kl_max_vocab', 4096)} --ratio-band {lo} {hi}")
+    return opts + (" --compiled" if PROBE.get("compiled") else "")
+
+
+def probe_completions(wildcards):
+    """Every configuration but the sampler scores the sampler's completions."""
+    if wildcards.numerics == SAMPLER:
+        return []
+    return [f"{R}/probe/{wildcards.model}/{SAMPLER}/completions.jsonl"]
+
+
+rule probe:
+    input:
+        model=model_input,
+        parity=f"{R}/parity/{{model}}.json",
+        completions=probe_completions,
+    output:
+        summary=f"{R}/probe/{{model}}/{{numerics}}/summary.json",
+        tokens=f"{R}/probe/{{model}}/{{numerics}}/tokens.csv",
+    params:
+        model=model_path,
+        out=lambda wc: f"{R}/probe/{wc.model}/{wc.numerics}",
+        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]),
+        completions=lambda wc, input: f"--completions {input.completions[0]}" if input.completions else "",
+        options=probe_options(),
+    log:
+        f"{R}/logs/probe/{{model}}/{{numerics}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=6000,
+        runtime=60,
+    shell:
+        "rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
+        "--out {params.out} > {log} 2>&1"
+
+
+# The sampler's own probe run samples the completions every other configuration scores.
+use rule probe as probe_sampler with:
+    output:
+        summary=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/summary.json",
+        tokens=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/tokens.csv",
+        completions=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/completions.jsonl",
+
+
+ruleorder: probe_sampler > probe
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+rule diagnose:
+    input:
+        model=model_input,
+        parity=f"{R}/parity/{{model}}.json",
+        completions=f"{R}/probe/{{model}}/{SAMPLER}/completions.jsonl",
+    output:
+        layers=f"{R}/diagnose/{{model}}/{{numerics}}/layers.csv",
+        summary=f"{R}/diagnose/{{model}}/{{numerics}}/summary.json",
+    params:
+        model=model_path,
+        out=lambda wc: f"{R}/diagnose/{wc.model}/{wc.numerics}",
+        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]),
+        sequences=config["diagnose"].get("sequences", 4),
+    log:
+        f"{R}/logs/diagnose/{{model}}/{{numerics}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=6000,
+        runtime=30,
+    shell:
+        "rpa diagnose --model {params.model} {params.numerics} --sequences {params.sequences} "
+        "--completions {input.completions} --out {params.out} > {log} 2>&1"
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+rule aggregate:
+    input:
+        probe=probe_summaries(),
+        diagnose=diagnose_tables(),
+        parity=expand(f"{R}/parity/{{model}}.json", model=MODELS),
+    output:
+        csv=f"{R}/tables/probe.csv",
+        md=f"{R}/tables/probe.md",
+        diagnose=f"{R}/tables/diagnose.csv",
+    params:
+        configs=" ".join(CONFIGS),
+    log:
+        f"{R}/logs/aggregate.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.aggregate --results {R} --out-dir {R}/tables --configs {params.configs} > {log} 2>&1"
+
+
+rule figures:
+    input:
+        probe=f"{R}/tables/probe.csv",
+        diagnose=f"{R}/tables/diagnose.csv",
+        tokens=expand(f"{R}/probe/{{model}}/{{numerics}}/tokens.csv", model=MODELS,
+                      numerics=FIGURES.get("dlogp_vs_prob_configs", [])),
+    output:
+        expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=["mismatch", "dlogp_vs_prob", "layers"]),
+    params:
+        configs=" ".join(FIGURES.get("dlogp_vs_prob_configs", [])) or "none",
+    log:
+        f"{R}/logs/figures.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.figures --results {R} --out-dir {R}/figures --format {FIGURES[format]} "
+        "--dlogp-configs {params.configs} > {log} 2>&1"

@@ -1,0 +1,123 @@
+"""A numerics configuration: what both engines compute in, as one validated value.
+
+The study's grid is the region set; the comparison points are FP32 everywhere (the
+floor), FP16 on both sides (Precision-RL), an FP32 LM head on both sides (ScaleRL; TRL
+``cast_lm_head_to_fp32``, vLLM ``hf_overrides={"head_dtype": "float32"}``) and the
+trainer mode:
+
+* ``compute``: parameters used at the compute dtype, as an FSDP-style trainer with
+  ``MixedPrecision(param_dtype=bf16)`` does (the study's BF16 baseline; the trainer patch
+  gives FP32 masters the same numerics bit for bit, see :mod:`rpa.trainer`);
+* ``autocast``: FP32 parameters under ``torch.autocast`` (TRL's default).
+
+Both sides load the same checkpoint and cast it to their dtype themselves, so they hold
+the same weights. Invalid combinations raise :class:`NumericsConfigError` naming the
+problem. This module imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpa.regions import RegionError, format_regions, parse_regions
+
+PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Precision name -> torch/vLLM dtype name."""
+
+TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
+
+KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode")
+
+
+class NumericsConfigError(ValueError):
+    """An unknown key or value, or a combination that has no meaning."""
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    regions: frozenset[str] = field(default_factory=frozenset)
+    precision: str = "bf16"
+    lm_head_fp32: bool = False
+    trainer_mode: str = "compute"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise NumericsConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.trainer_mode not in TRAINER_MODES:
+            raise NumericsConfigError(f"trainer_mode {self.trainer_mode!r} is not one of {', '.join(TRAINER_MODES)}")
+        if not isinstance(self.lm_head_fp32, bool):
+            raise NumericsConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
+        if self.precision == "fp32":
+            if self.regions:
+                raise NumericsConfigError("precision fp32 has no BF16 rounding to align; use regions: none")
+            if self.lm_head_fp32:
+                raise NumericsConfigError("lm_head_fp32 is redundant with precision fp32")
+            if self.trainer_mode == "autocast":
+                raise NumericsConfigError("trainer_mode autocast needs a 16-bit precision (fp32 has nothing to autocast to)")
+        if self.precision == "fp16" and self.regions:
+            raise NumericsConfigError("the aligned regions implement the BF16 contract; precision fp16 is a "
+                                      "comparison point with stock numerics (regions: none)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "NumericsConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise NumericsConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(KEYS)}")
+        try:
+            regions = parse_regions(data.pop("regions", None))
+        except RegionError as err:
+            raise NumericsConfigError(str(err)) from None
+        return cls(regions=regions, **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"regions": format_regions(self.regions), "precision": self.precision,
+                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode}
+
+    @property
+    def dtype_name(self) -> str:
+        return PRECISIONS[self.precision]
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    # ---------------------------------------------------------------- sampler side
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments for this configuration (the plugin reads the regions)."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype_name}
+        if self.lm_head_fp32:
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
+        return kwargs
+
+    # ---------------------------------------------------------------- trainer side
+
+    def load_trainer_model(self, model: str, device: str = "cpu", **kwargs):
+        """The HF model for this configuration with :func:`rpa.trainer.align_model` installed.
+
+        Returns ``(model, alignment)``; run forwards inside :meth:`trainer_context`.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rpa.trainer import align_model
+
+        autocast = self.trainer_mode == "autocast"
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else self.torch_dtype(),
+                                                  **kwargs).to(device)
+        hf.eval()
+        handle = align_model(hf, self.regions, compute_dtype=None if autocast else self.torch_dtype(),
+                             lm_head_fp32=self.lm_head_fp32)
+        return hf, handle
+
+    def trainer_context(self, device: str = "cpu"):
+        """``torch.autocast`` at the precision in autocast mode, else a null context."""
+        if self.trainer_mode != "autocast":
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(device_type=torch.device(device).type, dtype=self.torch_dtype())

@@ -1,0 +1,90 @@
+"""What the Snakefile needs from rpa: semantic config checks and CLI flag rendering.
+
+The JSON schema (``experiments/schema/config.schema.yaml``) checks the shape of the config;
+:func:`check_config` checks what a schema cannot: region names, numerics combinations
+that mean nothing, tiny-model specs, and cross references between sections. Every
+problem names its entry (``probe.configs.fp32x: ...``) and all are reported at once.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import fields
+from typing import Any
+
+from rpa.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.regions import RegionError, parse_regions
+
+
+class PipelineConfigError(ValueError):
+    """One or more entries of the pipeline config are invalid."""
+
+
+def _tiny_problem(spec: Any) -> str | None:
+    from rpa.tiny import TinySpec
+
+    if not isinstance(spec, dict):
+        return "tiny must be a mapping of TinySpec fields"
+    names = {f.name for f in fields(TinySpec)}
+    unknown = sorted(set(spec) - names)
+    if unknown:
+        return f"unknown TinySpec field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
+    try:
+        TinySpec(**spec).validate()
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``."""
+    problems: list[str] = []
+    for name, model in (config.get("models") or {}).items():
+        if "tiny" in model:
+            problem = _tiny_problem(model["tiny"])
+            if problem:
+                problems.append(f"models.{name}.tiny: {problem}")
+    try:
+        if not parse_regions(config["parity"]["regions"]):
+            problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
+    except RegionError as err:
+        problems.append(f"parity.regions: {err}")
+    configs = config["probe"]["configs"]
+    for name, numerics in configs.items():
+        try:
+            NumericsConfig.from_dict(numerics)
+        except NumericsConfigError as err:
+            problems.append(f"probe.configs.{name}: {err}")
+    sampler = config["probe"]["sampler"]
+    if sampler not in configs:
+        problems.append(f"probe.sampler: {sampler!r} is not a name in probe.configs")
+    lo, hi = config["probe"].get("ratio_band", (0.8, 1.25))
+    if not 0 < lo < 1 < hi:
+        problems.append(f"probe.ratio_band: need 0 < lo < 1 < hi, got {[lo, hi]}")
+    for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs")):
+        for name in (config.get(section) or {}).get(key) or []:
+            if name not in configs:
+                problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
+    if problems:
+        raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
+
+
+def numerics_flags(numerics: dict[str, Any]) -> str:
+    """``rpa probe``/``rpa diagnose`` flags for one entry of ``probe.configs``."""
+    n = NumericsConfig.from_dict(numerics).to_dict()
+    flags = ["--regions", n["regions"], "--precision", n["precision"], "--trainer-mode", n["trainer_mode"]]
+    if n["lm_head_fp32"]:
+        flags.append("--lm-head-fp32")
+    return shlex.join(flags)
+
+
+def tiny_flags(spec: dict[str, Any]) -> str:
+    """``rpa tiny`` flags for a ``models.<name>.tiny`` mapping."""
+    flags: list[str] = []
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return shlex.join(flags)

@@ -1,0 +1,87 @@
+"""Numerics configurations: validation, both sides' settings, the FP32 LM head, TRL batch layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rpa.cli import main as cli_main
+from rpa.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.probe import trainer_batch_logprobs, trainer_logprobs
+
+
+def test_defaults_are_the_study_baseline():
+    n = NumericsConfig.from_dict({})
+    assert n.to_dict() == {"regions": "none", "precision": "bf16", "lm_head_fp32": False, "trainer_mode": "compute"}
+    assert n.vllm_kwargs() == {"dtype": "bfloat16"}
+    assert NumericsConfig.from_dict({"regions": "rope,swiglu"}).to_dict()["regions"] == "rope,swiglu"
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"regions": "all", "precision": "fp32"}, "no BF16 rounding to align"),
+    ({"precision": "fp32", "lm_head_fp32": True}, "redundant"),
+    ({"precision": "fp32", "trainer_mode": "autocast"}, "16-bit precision"),
+    ({"regions": "rope", "precision": "fp16"}, "BF16 contract"),
+    ({"regions": "rope,attention"}, "unknown region(s) 'attention'"),
+    ({"precision": "bf17"}, "precision 'bf17'"),
+    ({"trainer_mode": "fsdp"}, "trainer_mode 'fsdp'"),
+    ({"regions": "all", "lmhead": True}, "unknown key(s) lmhead"),
+    ({"lm_head_fp32": "yes"}, "true or false"),
+])
+def test_invalid_combinations_are_refused(entry, message):
+    with pytest.raises(NumericsConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        NumericsConfig.from_dict(entry)
+
+
+def test_comparison_points_reach_vllm():
+    assert NumericsConfig.from_dict({"lm_head_fp32": True}).vllm_kwargs() == {
+        "dtype": "bfloat16", "hf_overrides": {"head_dtype": "float32"}}
+    assert NumericsConfig.from_dict({"precision": "fp16"}).vllm_kwargs() == {"dtype": "float16"}
+
+
+def test_cli_refuses_invalid_combination_before_loading(capsys, tmp_path):
+    rc = cli_main(["probe", "--model", str(tmp_path / "no-such-model"), "--regions", "all", "--precision", "fp32",
+                   "--out", str(tmp_path / "out")])
+    assert rc == 2
+    assert "no BF16 rounding to align" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", ["compute", "autocast"])
+def test_fp32_lm_head_is_fp32_linear_of_the_hidden_state(tiny_dirs, mode):
+    numerics = NumericsConfig.from_dict({"regions": "all", "lm_head_fp32": True, "trainer_mode": mode})
+    model, handle = numerics.load_trainer_model(str(tiny_dirs["qwen3"]))
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with numerics.trainer_context(), torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    hidden = out.hidden_states[-1]
+    assert out.logits.dtype == torch.float32 and handle.describe()["lm_head_fp32"]
+    assert torch.equal(out.logits, F.linear(hidden.float(), model.lm_head.weight.float()))
+    handle.remove()
+    with numerics.trainer_context(), torch.no_grad():  # control: the stock head runs in BF16
+        plain = model.lm_head(hidden)
+    assert plain.dtype == torch.bfloat16 and not torch.equal(plain.float(), out.logits)
+
+
+def test_trl_batch_layout_with_rope_aligned_equals_batch_one(tiny_dirs):
+    """Prompts left-padded + completions right-padded, no position_ids: with RoPE aligned
+    (positions from the mask) and order-stable eager attention, the batch gives the
+    batch-1 logprobs bit for bit; stock RoPE shifts positions by the pad count."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(1)
+    comps = [{"prompt_ids": torch.randint(3, 500, (p,), generator=g).tolist(),
+              "completion_ids": torch.randint(3, 500, (c,), generator=g).tolist()}
+             for p, c in ((5, 9), (11, 3), (8, 6))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
+    results = {}
+    for regions in ("all", "none"):
+        numerics = NumericsConfig.from_dict({"regions": regions})
+        from rpa.trainer import align_model
+
+        with align_model(model, numerics.regions):
+            single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
+            batch = trainer_batch_logprobs(model, comps, pad_id=0)
+        results[regions] = (single, batch)
+    assert results["all"][0] == results["all"][1]
+    assert results["none"][0] != results["none"][1]

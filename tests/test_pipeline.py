@@ -1,0 +1,116 @@
+"""The Snakemake pipeline: config validation, dry run, and (slow) a real run of a small grid."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from rpa.pipeline import PipelineConfigError, check_config, numerics_flags, tiny_flags
+from tests.conftest import REPO, tail
+
+DEFAULT = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
+
+
+def snakemake(*args, cwd=REPO, timeout=1800):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_config(tmp_path, config):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_default_config_is_valid_and_covers_the_grid():
+    check_config(DEFAULT)
+    regions = {c.get("regions") for c in DEFAULT["probe"]["configs"].values()}
+    assert {"none", "rope", "swiglu", "rmsnorm", "rope,swiglu", "rope,rmsnorm", "swiglu,rmsnorm", "all"} <= regions
+    kinds = [c for c in DEFAULT["probe"]["configs"].values()]
+    assert any(c.get("precision") == "fp32" for c in kinds) and any(c.get("precision") == "fp16" for c in kinds)
+    assert any(c.get("lm_head_fp32") for c in kinds) and any(c.get("trainer_mode") == "autocast" for c in kinds)
+
+
+def test_check_config_names_every_bad_entry():
+    bad = copy.deepcopy(DEFAULT)
+    bad["probe"]["configs"]["oops"] = {"regions": "rope,atention"}
+    bad["probe"]["configs"]["fp32-all"] = {"regions": "all", "precision": "fp32"}
+    bad["diagnose"]["configs"] = ["none", "missing"]
+    bad["models"]["tiny-qwen3"]["tiny"]["hidden_sise"] = 64
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(bad)
+    text = str(err.value)
+    for needle in ("probe.configs.oops: unknown region(s) 'atention'", "probe.configs.fp32-all:",
+                   "diagnose.configs: 'missing'", "models.tiny-qwen3.tiny: unknown TinySpec field(s) hidden_sise"):
+        assert needle in text
+
+
+def test_flags_render_for_the_cli():
+    assert numerics_flags({"regions": "rope,swiglu", "lm_head_fp32": True}) == (
+        "--regions rope,swiglu --precision bf16 --trainer-mode compute --lm-head-fp32")
+    assert tiny_flags({"arch": "qwen2", "tie_word_embeddings": False, "num_hidden_layers": 4}) == (
+        "--arch qwen2 --no-tie-word-embeddings --num-hidden-layers 4")
+
+
+def test_dry_run_plans_the_full_grid(tmp_path):
+    cfg = write_config(tmp_path, {**DEFAULT, "results": str(tmp_path / "results")})
+    proc = snakemake("-n", "--cores", "2", "--quiet", "rules", "--configfile", str(cfg))
+    assert proc.returncode == 0, tail(proc)
+    n_models, n_configs = len(DEFAULT["models"]), len(DEFAULT["probe"]["configs"])
+    counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1].isdigit()}
+    assert counts["probe"] + counts["probe_sampler"] == n_models * n_configs
+    assert counts["parity"] == n_models and counts["diagnose"] == n_models * len(DEFAULT["diagnose"]["configs"])
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda c: c["probe"]["configs"].update({"bad-entry": {"regions": "rope,qk_norm"}}),
+     "probe.configs.bad-entry: unknown region(s) 'qk_norm'"),
+    (lambda c: c["probe"]["configs"].update({"bad-entry": {"precision": "int8"}}), "int8"),
+])
+def test_bad_grid_entry_stops_before_any_job(tmp_path, mutate, needle):
+    config = copy.deepcopy(DEFAULT)
+    config["results"] = str(tmp_path / "results")
+    mutate(config)
+    proc = snakemake("--cores", "1", "--configfile", str(write_config(tmp_path, config)))
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout, tail(proc)
+    assert not (tmp_path / "results").exists()  # nothing ran
+
+
+SMALL = {
+    "models": {"tiny-qwen3": {"tiny": {"arch": "qwen3", "seed": 0}}},
+    "probe": {"prompts": 4, "samples": 2, "max_tokens": 16, "seed": 0, "sampler": "none",
+              "configs": {"none": {"regions": "none"}, "all": {"regions": "all"},
+                          "fp32": {"regions": "none", "precision": "fp32"}}},
+    "diagnose": {"sequences": 2, "configs": ["all"]},
+    "figures": {"format": "png", "dlogp_vs_prob_configs": ["none", "all"]},
+}
+
+
+@pytest.mark.slow
+def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
+    config = {**copy.deepcopy(DEFAULT), **SMALL, "results": str(tmp_path / "results")}
+    cfg = write_config(tmp_path, config)
+    proc = snakemake("--cores", "2", "--configfile", str(cfg))
+    assert proc.returncode == 0, tail(proc, 6000)
+    res = tmp_path / "results"
+    table = pd.read_csv(res / "tables/probe.csv")
+    assert list(table.config) == ["none", "all", "fp32"] and (table.tokens == table.tokens.iloc[0]).all()
+    by = table.set_index("config")
+    assert by.loc["fp32", "mean_abs_dlogp"] < 1e-5 < by.loc["none", "mean_abs_dlogp"]
+    assert by.loc["none", "rel_mean_abs_dlogp_vs_none"] == 1.0 and by.parity_passed.all()
+    assert "### tiny-qwen3" in (res / "tables/probe.md").read_text()
+    layers = pd.read_csv(res / "tables/diagnose.csv")
+    assert set(layers.boundary) >= {"attn_in", "attn_out", "swiglu_out", "layer_out", "final_norm"}
+    for name in ("mismatch", "dlogp_vs_prob", "layers"):
+        assert (res / f"figures/{name}.png").stat().st_size > 10_000
+    again = snakemake("--cores", "2", "--configfile", str(cfg))
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
