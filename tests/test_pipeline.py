@@ -25,7 +25,7 @@ def snakemake(*args, cwd=REPO, timeout=1800):
 
 def write_config(tmp_path, config):
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 

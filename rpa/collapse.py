@@ -1,0 +1,100 @@
+"""Collapse verdict of a training run, computed from its per-step metric log.
+
+Definition (DESIGN.md): a run has collapsed at the first step where its smoothed reward
+falls below ``drop_fraction`` of its running best and never recovers above that level
+again, or where its loss / grad norm is non-finite, or where its grad norm spikes above
+``spike_factor`` times its running median. All thresholds are data
+(:class:`CollapseThresholds`, set in the run config), none live in the code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CollapseThresholds:
+    smoothing_window: int = 5
+    """Trailing moving-average window (steps) of the reward."""
+    drop_fraction: float = 0.5
+    """Collapse when the smoothed reward falls below this fraction of its running best..."""
+    min_best_reward: float = 0.05
+    """...once that best is at least this (a run that never learned cannot collapse by reward)."""
+    spike_factor: float = 10.0
+    """Collapse when the grad norm exceeds this multiple of its running median..."""
+    spike_warmup_steps: int = 5
+    """...measured over at least this many earlier steps."""
+
+    def __post_init__(self) -> None:
+        if self.smoothing_window < 1 or self.spike_warmup_steps < 1:
+            raise ValueError("smoothing_window and spike_warmup_steps must be >= 1")
+        if not 0 < self.drop_fraction < 1:
+            raise ValueError(f"drop_fraction must be in (0, 1), got {self.drop_fraction}")
+        if self.spike_factor <= 1:
+            raise ValueError(f"spike_factor must be > 1, got {self.spike_factor}")
+
+
+def smooth(values: Iterable[float], window: int) -> np.ndarray:
+    """Trailing moving average (the first steps average what exists so far)."""
+    x = np.asarray(list(values), dtype=np.float64)
+    csum = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, x.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThresholds = CollapseThresholds(),
+                     reward_key: str = "reward", loss_key: str = "loss",
+                     grad_key: str = "grad_norm") -> dict[str, Any]:
+    """The verdict over ``records`` (one dict per optimizer step, with a ``step`` key)."""
+    if not records:
+        raise ValueError("no steps logged")
+    steps = [int(r["step"]) for r in records]
+    if steps != sorted(set(steps)):
+        raise ValueError("steps must be strictly increasing (duplicated or unordered log)")
+    reward = np.array([float(r.get(reward_key, math.nan)) for r in records])
+    candidates: list[tuple[int, str]] = []
+
+    for i, r in enumerate(records):
+        bad = [k for k in (loss_key, grad_key) if k in r and r[k] is not None and not math.isfinite(float(r[k]))]
+        if bad or not math.isfinite(reward[i]):
+            candidates.append((i, f"non-finite {', '.join(bad) or reward_key}"))
+            break
+
+    grads = [float(r[grad_key]) for r in records if r.get(grad_key) is not None]
+    if len(grads) == len(records):
+        for i in range(thresholds.spike_warmup_steps, len(grads)):
+            median = float(np.median(grads[:i]))
+            if math.isfinite(grads[i]) and median > 0 and grads[i] > thresholds.spike_factor * median:
+                candidates.append((i, f"grad_norm spike {grads[i]:.3g} > {thresholds.spike_factor} x median {median:.3g}"))
+                break
+
+    finite = np.where(np.isfinite(reward), reward, np.nan)
+    smoothed = smooth(np.nan_to_num(finite, nan=0.0), thresholds.smoothing_window)
+    best = np.maximum.accumulate(smoothed)
+    low = (best >= thresholds.min_best_reward) & (smoothed < thresholds.drop_fraction * best)
+    # first step from which the smoothed reward stays below the drop level of the best so far
+    for i in np.flatnonzero(low):
+        if low[i:].all():
+            candidates.append((int(i), f"smoothed reward {smoothed[i]:.3g} < {thresholds.drop_fraction} x "
+                                       f"best {best[i]:.3g} and no recovery"))
+            break
+
+    first = min(candidates, default=None)
+    valid = reward[np.isfinite(reward)]
+    auc = float(np.trapezoid(valid) / max(valid.size - 1, 1)) if valid.size > 1 else float(valid.sum())
+    return {
+        "collapsed": first is not None,
+        "collapse_step": None if first is None else steps[first[0]],
+        "collapse_reason": None if first is None else first[1],
+        "peak_reward": float(np.nanmax(finite)) if np.isfinite(finite).any() else None,
+        "peak_smoothed_reward": float(best[-1]),
+        "final_reward": float(smoothed[-1]),
+        "reward_auc": auc,
+        "steps": len(records),
+        "thresholds": asdict(thresholds),
+    }

@@ -1,0 +1,74 @@
+"""Collapse verdict on synthetic metric logs (healthy, collapsing, non-finite, spiking)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from rpa.collapse import CollapseThresholds, collapse_verdict, smooth
+
+
+def log(rewards, grads=None, losses=None):
+    grads = grads or [1.0] * len(rewards)
+    losses = losses or [0.1] * len(rewards)
+    return [{"step": i + 1, "reward": r, "grad_norm": g, "loss": l}
+            for i, (r, g, l) in enumerate(zip(rewards, grads, losses))]
+
+
+def test_smooth_is_trailing_mean():
+    assert smooth([1, 2, 3, 4], 2).tolist() == [1.0, 1.5, 2.5, 3.5]
+
+
+def test_healthy_run_with_noise_is_not_collapsed():
+    rng = np.random.default_rng(0)
+    rewards = list(np.clip(np.linspace(0.1, 0.8, 60) + rng.normal(0, 0.05, 60), 0, 1))
+    v = collapse_verdict(log(rewards))
+    assert not v["collapsed"] and v["collapse_step"] is None
+    assert v["peak_reward"] == pytest.approx(max(rewards)) and v["steps"] == 60
+    assert v["reward_auc"] == pytest.approx(np.trapezoid(rewards) / 59)
+
+
+def test_rise_then_permanent_drop_collapses_at_the_drop():
+    rewards = [0.2] * 5 + [0.6] * 20 + [0.05] * 15
+    v = collapse_verdict(log(rewards), CollapseThresholds(smoothing_window=3, drop_fraction=0.5))
+    assert v["collapsed"] and "no recovery" in v["collapse_reason"]
+    # smoothed over 3: step 27 is the first whose mean (0.6+0.05+0.05)/3=0.233 < 0.3
+    assert v["collapse_step"] == 27
+    assert v["final_reward"] == pytest.approx(0.05)
+
+
+def test_temporary_dip_that_recovers_is_not_collapse():
+    rewards = [0.6] * 10 + [0.05] * 4 + [0.6] * 10
+    assert not collapse_verdict(log(rewards), CollapseThresholds(smoothing_window=2))["collapsed"]
+
+
+def test_never_learned_is_not_collapse():
+    assert not collapse_verdict(log([0.0, 0.01, 0.0] * 10))["collapsed"]
+
+
+def test_non_finite_loss_is_collapse_with_summary():
+    losses = [0.1] * 7 + [math.nan] + [0.1] * 2
+    v = collapse_verdict(log([0.5] * 10, losses=losses))
+    assert v["collapsed"] and v["collapse_step"] == 8 and "non-finite loss" in v["collapse_reason"]
+
+
+def test_grad_norm_spike_is_collapse():
+    grads = [1.0, 1.2, 0.9, 1.1, 1.0, 1.05, 50.0, 1.0]
+    v = collapse_verdict(log([0.5] * 8, grads=grads), CollapseThresholds(spike_factor=10, spike_warmup_steps=5))
+    assert v["collapsed"] and v["collapse_step"] == 7 and "spike" in v["collapse_reason"]
+
+
+def test_earliest_cause_wins_and_thresholds_are_reported():
+    rewards = [0.6] * 10 + [0.0] * 10
+    grads = [1.0] * 15 + [math.inf] + [1.0] * 4
+    v = collapse_verdict(log(rewards, grads=grads), CollapseThresholds(smoothing_window=1))
+    assert v["collapse_step"] == 11 and v["thresholds"]["smoothing_window"] == 1
+
+
+def test_bad_logs_and_thresholds_are_refused():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        collapse_verdict([{"step": 1, "reward": 0.1}, {"step": 1, "reward": 0.2}])
+    with pytest.raises(ValueError):
+        collapse_verdict([])
+    with pytest.raises(ValueError):
+        CollapseThresholds(drop_fraction=1.5)
