@@ -4,7 +4,8 @@
 #   snakemake --workflow-profile experiments/profiles/slurm --configfile my.yaml
 #   (a --configfile replaces experiments/config.yaml; it is not merged into it)
 #
-# Stages (rules grouped below in this order): models, gate, probe, diagnose, analysis.
+# Stages (rules grouped below in this order): models, gate, probe, diagnose, analysis, and
+# the GRPO grid (target `train_all`, not part of `all`: it takes longer).
 # The config is validated twice before any job starts: its shape against
 # experiments/schema/config.schema.yaml, its meaning by rpa.pipeline.check_config.
 
@@ -12,7 +13,7 @@ import re
 
 from snakemake.utils import validate
 
-from rpa.pipeline import check_config, numerics_flags, tiny_flags
+from rpa.pipeline import check_config, numerics_flags, tiny_flags, train_points
 
 
 # The default grid, unless a complete config came with --configfile (Snakemake would
@@ -34,6 +35,8 @@ SAMPLER = PROBE["sampler"]
 DIAGNOSE = config["diagnose"].get("configs", [])
 FIGURES = config["figures"]
 ENV = f"envs/rpa-{config.get('env', 'cpu')}.yaml"
+TRAIN = {(p["setting"], p["regions"], str(p["seed"])): p["config"] for p in train_points(config)} if config.get(
+    "train") else {}
 
 
 wildcard_constraints:
@@ -47,10 +50,13 @@ def model_path(wildcards):
     return f"{R}/models/{wildcards.model}" if "tiny" in spec else spec["path"]
 
 
-def model_input(wildcards):
+def model_files(name):
     """File dependency on a model built here (none for a path or hub id)."""
-    spec = config["models"][wildcards.model]
-    return [f"{R}/models/{wildcards.model}/config.json"] if "tiny" in spec else []
+    return [f"{R}/models/{name}/config.json"] if "tiny" in config["models"][name] else []
+
+
+def model_input(wildcards):
+    return model_files(wildcards.model)
 
 
 def probe_summaries(wildcards=None):
@@ -234,3 +240,68 @@ rule figures:
     shell:
         "python -m analysis.figures --results {R} --out-dir {R}/figures --format {FIGURES[format]} "
         "--dlogp-configs {params.configs} > {log} 2>&1"
+
+
+# ------------------------------------------------------------------------ GRPO grid
+
+
+def train_runs(wildcards=None):
+    return [f"{R}/train/{s}/{r}/seed{seed}/summary.json" for (s, r, seed) in TRAIN]
+
+
+rule train_all:
+    input:
+        f"{R}/tables/train.csv",
+        f"{R}/tables/train.md",
+        f"{R}/figures/train_curves.{FIGURES['format']}",
+
+
+rule train_config:
+    output:
+        f"{R}/train/{{setting}}/{{regions}}/seed{{seed}}/run.yaml",
+    run:
+        import yaml
+
+        key = (wildcards.setting, wildcards.regions, wildcards.seed)
+        if key not in TRAIN:
+            raise ValueError(f"no train grid point {key}")
+        with open(output[0], "w") as f:
+            yaml.safe_dump(TRAIN[key], f, sort_keys=False)
+
+
+rule train:
+    input:
+        cfg=f"{R}/train/{{setting}}/{{regions}}/seed{{seed}}/run.yaml",
+        model=lambda wc: model_files(config["train"]["model"]),
+    output:
+        # only the summary: Snakemake deletes a failed job's outputs, and the run directory
+        # (checkpoints, metrics.jsonl) must survive for the rerun to resume from it
+        f"{R}/train/{{setting}}/{{regions}}/seed{{seed}}/summary.json",
+    params:
+        out=lambda wc: f"{R}/train/{wc.setting}/{wc.regions}/seed{wc.seed}",
+    log:
+        f"{R}/logs/train/{{setting}}/{{regions}}/seed{{seed}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    shell:
+        # a rerun after an interruption resumes from the run directory's last checkpoint
+        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1"
+
+
+rule train_aggregate:
+    input:
+        train_runs(),
+    output:
+        csv=f"{R}/tables/train.csv",
+        md=f"{R}/tables/train.md",
+        fig=f"{R}/figures/train_curves.{FIGURES['format']}",
+    log:
+        f"{R}/logs/train_aggregate.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.train_summary --results {R} --out-table {output.csv} --out-md {output.md} "
+        "--out-figure {output.fig} > {log} 2>&1"

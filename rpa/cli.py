@@ -83,6 +83,23 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rpa.train_config import TrainConfig, TrainConfigError
+
+    try:
+        cfg = TrainConfig.from_yaml(args.config)
+    except TrainConfigError as err:
+        print(f"rpa train: config error: {err}", file=sys.stderr)
+        return 2
+    from rpa.grpo import run_train
+
+    s = run_train(cfg, args.out)
+    verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] else "no collapse"
+    print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
+          f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rpa.tiny import TinySpec
 
@@ -135,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--sequences", type=int, default=4, help="number of sequences")
     diag.add_argument("--seed", type=int, default=0)
     diag.set_defaults(func=_cmd_diagnose)
+
+    train = sub.add_parser("train", help="GRPO run (TRL + colocated vLLM) with one numerics configuration")
+    train.add_argument("--config", required=True, help="run config YAML (see experiments/train/)")
+    train.add_argument("--out", required=True, help="run directory (resumes from its last checkpoint)")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 

@@ -75,6 +75,16 @@ def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
     return statuses
 
 
+def make_llm_env(regions: frozenset[str], *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
+    """Set the environment a vLLM engine started after this call in this process reads:
+    the plugin's region set, in-process or multiprocess engine core, CPU KV-cache size."""
+    os.environ[ENV_VAR] = format_regions(regions)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # collective_rpc ships the status/capture callables to the engine process by pickle.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+
+
 def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool = True,
              multiprocess: bool = False, seed: int = 0, max_model_len: int = 1024,
              kv_cache_gib: int = 1, dtype: str = "bfloat16", **llm_kwargs):
@@ -94,11 +104,7 @@ def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool =
             f"this process already loaded the rpa plugin with regions "
             f"{format_regions(vllm_plugin._STATE['regions'])!r}; {want!r} needs a new process"
         )
-    os.environ[ENV_VAR] = want
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    # collective_rpc ships the status/capture callables to the engine process by pickle.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    make_llm_env(regions, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
     from vllm import LLM
 
     llm = LLM(model=model, dtype=dtype, enforce_eager=enforce_eager, seed=seed,

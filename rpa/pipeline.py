@@ -65,6 +65,8 @@ def check_config(config: dict[str, Any]) -> None:
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
+    if config.get("train"):
+        problems += _train_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
 
@@ -88,3 +90,47 @@ def tiny_flags(spec: dict[str, Any]) -> str:
         else:
             flags += [flag, str(value)]
     return shlex.join(flags)
+
+
+def region_label(regions: str) -> str:
+    """File-system form of a region set (``rope,swiglu`` -> ``rope+swiglu``)."""
+    from rpa.regions import format_regions
+
+    return format_regions(parse_regions(regions)).replace(",", "+")
+
+
+def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every run of the GRPO grid: ``setting``, ``regions`` (label), ``seed`` and its full run config."""
+    import yaml
+
+    train = config["train"]
+    base = yaml.safe_load(open(train["base"]))
+    spec = config["models"][train["model"]]
+    model = f"{config['results']}/models/{train['model']}" if "tiny" in spec else spec["path"]
+    points = []
+    for setting, overrides in train["settings"].items():
+        for regions in train["regions"]:
+            for seed in train["seeds"]:
+                run = {**base, **overrides, "model": model, "seed": seed,
+                       "numerics": {**(base.get("numerics") or {}), "regions": regions}}
+                points.append({"setting": setting, "regions": region_label(regions), "seed": seed, "config": run})
+    return points
+
+
+def _train_problems(config: dict[str, Any]) -> list[str]:
+    from rpa.train_config import TrainConfig, TrainConfigError
+
+    train = config["train"]
+    if train["model"] not in config.get("models", {}):
+        return [f"train.model: {train['model']!r} is not a name in models"]
+    try:
+        points = train_points(config)
+    except (OSError, RegionError) as err:
+        return [f"train: {err}"]
+    problems = []
+    for p in points:
+        try:
+            TrainConfig.from_dict(p["config"])
+        except TrainConfigError as err:
+            problems.append(f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']}): {err}")
+    return problems

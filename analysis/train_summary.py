@@ -1,0 +1,86 @@
+"""Summaries of a GRPO grid: one row per run, per-group means, and reward / mismatch curves.
+
+Reads ``RESULTS/train/<setting>/<regions>/seed<N>/{summary.json,metrics.jsonl}``; writes a CSV
+(columns :data:`RUN_COLUMNS`), a Markdown table, and a figure of reward and mismatch vs step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+RUN_COLUMNS = ("setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason", "peak_reward",
+               "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status", "wall_s")
+
+
+def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    runs, curves = [], []
+    for path in sorted(results.glob("train/*/*/seed*/summary.json")):
+        s = json.loads(path.read_text())
+        setting, regions, seed = path.parts[-4], path.parts[-3], int(path.parts[-2].removeprefix("seed"))
+        metrics = pd.read_json(path.with_name("metrics.jsonl"), lines=True)
+        runs.append({"setting": setting, "regions": regions, "seed": seed, **{k: s.get(k) for k in RUN_COLUMNS[3:]},
+                     "mean_abs_dlogp": metrics["mismatch/mean_abs_dlogp"].mean(),
+                     "kl_k3": metrics["mismatch/kl_k3"].mean(),
+                     "frac_ratio_outside": metrics["mismatch/frac_ratio_outside"].mean()})
+        curves.append(metrics.assign(setting=setting, regions=regions, seed=seed))
+    if not runs:
+        raise SystemExit(f"no runs under {results}/train")
+    return pd.DataFrame(runs)[list(RUN_COLUMNS)], pd.concat(curves, ignore_index=True)
+
+
+def markdown(runs: pd.DataFrame) -> str:
+    cols = ["setting", "regions", "seed", "steps", "collapsed", "collapse_step", "peak_reward", "final_reward",
+            "reward_auc", "mean_abs_dlogp", "kl_k3", "wall_s"]
+    per_run = runs[cols].to_markdown(index=False, floatfmt=".3g")
+    groups = runs.groupby(["setting", "regions"], sort=False).agg(
+        runs=("seed", "size"), collapsed=("collapsed", "sum"), final_reward=("final_reward", "mean"),
+        reward_auc=("reward_auc", "mean"), mean_abs_dlogp=("mean_abs_dlogp", "mean")).reset_index()
+    return ("### Per run\n\n" + per_run + "\n\n### Mean over seeds\n\n"
+            + groups.to_markdown(index=False, floatfmt=".3g") + "\n")
+
+
+def figure(curves: pd.DataFrame, path: Path, window: int = 5) -> None:
+    curves = curves.sort_values("step").copy()
+    key = ["setting", "regions", "seed"]
+    curves["reward (smoothed)"] = curves.groupby(key)["reward"].transform(lambda x: x.rolling(window, 1).mean())
+    curves["mean |dlogp| (smoothed)"] = curves.groupby(key)["mismatch/mean_abs_dlogp"].transform(
+        lambda x: x.rolling(window, 1).mean())
+    long = curves.melt(id_vars=key + ["step"], value_vars=["reward (smoothed)", "mean |dlogp| (smoothed)"],
+                       var_name="metric", value_name="value")
+    grid = sns.relplot(data=long, kind="line", x="step", y="value", hue="regions", units="seed", estimator=None,
+                       row="metric", col="setting", height=3, aspect=1.6, facet_kws={"sharey": "row"}, alpha=0.8)
+    grid.figure.suptitle("GRPO on CPU: reward and vLLM-vs-trainer mismatch per step", y=1.02)
+    grid.savefig(path, bbox_inches="tight")
+    plt.close(grid.figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--out-table", required=True, type=Path)
+    parser.add_argument("--out-md", required=True, type=Path)
+    parser.add_argument("--out-figure", required=True, type=Path)
+    args = parser.parse_args(argv)
+    sns.set_theme(style="whitegrid", context="paper")
+    runs, curves = load(args.results)
+    for p in (args.out_table, args.out_md, args.out_figure):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    runs.to_csv(args.out_table, index=False)
+    args.out_md.write_text(markdown(runs))
+    figure(curves, args.out_figure)
+    print(f"train summary: {len(runs)} runs -> {args.out_table}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

