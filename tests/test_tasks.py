@@ -1,0 +1,47 @@
+"""Tasks: synthetic addition, and GSM8K / MATH through datasets.load_dataset from local files."""
+
+import json
+
+import pytest
+
+from rpa.tasks import TaskError, TaskSpec, build_task, exact_int_reward, gsm8k_gold, math_verify_reward
+
+
+def test_synthetic_add_rows_and_reward():
+    rows, reward = build_task(TaskSpec(num_prompts=20, max_operand=9, seed=3))
+    assert len(rows) == 20 and reward is exact_int_reward
+    a, b = (int(x) for x in rows[0]["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
+    assert rows[0]["answer"] == str(a + b)
+    assert reward(None, [" 12 and more", "x", " 7", "-3"], ["12", "12", "8", "-3"]) == [1.0, 0.0, 0.0, 1.0]
+    assert build_task(TaskSpec(num_prompts=20, seed=3))[0] == rows  # deterministic in the seed
+
+
+def test_gsm8k_from_local_jsonl(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"Q{i}: 2 + {i}?", "answer": f"work...\n#### {2 + i:,}"})
+                              for i in range(1000, 1005)) + "\n")
+    rows, reward = build_task(TaskSpec(name="gsm8k", path="json", data_files=str(data), num_prompts=3))
+    assert len(rows) == 3 and all(r["prompt"].endswith("\nAnswer:") for r in rows)
+    gold = rows[0]["answer"]
+    assert "," not in gold and int(gold) in range(1002, 1007)
+    assert reward(None, [f"The answer is {gold}.", "The answer is 5."], [gold, gold]) == [1.0, 0.0]
+
+
+def test_math_from_local_directory_uses_math_verify(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "Half of 1?",
+                                                      "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n")
+    rows, reward = build_task(TaskSpec(name="math", path=str(tmp_path), num_prompts=5))
+    assert len(rows) == 1 and reward is math_verify_reward
+    assert reward(None, ["so the result is $\\boxed{0.5}$", "$\\boxed{2}$"], [rows[0]["answer"]] * 2) == [1.0, 0.0]
+
+
+def test_bad_task_inputs_are_refused(tmp_path):
+    with pytest.raises(TaskError, match="unknown task"):
+        TaskSpec(name="gsm9k")
+    with pytest.raises(TaskError, match="needs path"):
+        TaskSpec(name="math")
+    (tmp_path / "x.jsonl").write_text(json.dumps({"q": 1, "a": 2}) + "\n")
+    with pytest.raises(TaskError, match="lacks column"):
+        build_task(TaskSpec(name="gsm8k", path="json", data_files=str(tmp_path / "x.jsonl")))
+    with pytest.raises(TaskError, match="####"):
+        gsm8k_gold("no marker")
