@@ -45,6 +45,11 @@ class WeightSyncError(RuntimeError):
     """vLLM does not serve the trainer's current weights after a sync."""
 
 
+class EngineDivergence(RuntimeError):
+    """vLLM took the new weights (its probe logprobs changed) yet disagrees with the trainer
+    far beyond rounding: the run has blown up; recorded as a collapse."""
+
+
 def _log(msg: str) -> None:
     print(f"[rpa train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -121,19 +126,36 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
 # --------------------------------------------------------------------------- the trainer
 
 
-def sync_gap(llm, model, ids: list[int]) -> float:
-    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``)."""
+def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
+    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
+    and vLLM's logprobs themselves."""
     import torch
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
     result = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    mu = torch.tensor([row[t].logprob for row, t in zip(result.prompt_logprobs[1:], ids[1:])], dtype=torch.float64)
+    mu = [row[t].logprob for row, t in zip(result.prompt_logprobs[1:], ids[1:])]
     device = next(model.parameters()).device
     with torch.no_grad():
         logits = model(torch.tensor([ids], device=device)).logits.float()[0, :-1]
     pi = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
-    return float((pi.cpu().double() - mu).abs().mean())
+    return float((pi.cpu().double() - torch.tensor(mu, dtype=torch.float64)).abs().mean()), mu
+
+
+def check_sync_result(gap: float, tolerance: float, mu: list[float], previous_mu: list[float] | None,
+                      step: int) -> None:
+    """Classify a post-sync check: within tolerance passes; otherwise vLLM logprobs that did not
+    change since the previous check mean stale weights (:class:`WeightSyncError`), changed ones
+    mean the engines diverged (:class:`EngineDivergence`). At the start (no previous) a gap is
+    a mismatch of the two engines' starting weights (:class:`WeightSyncError`)."""
+    if math.isfinite(gap) and gap <= tolerance:
+        return
+    where = (f"after the weight sync at step {step}, vLLM's logprobs of the probe sequence differ from the "
+             f"trainer's by mean |dlogp| = {gap:.4g} > tolerance {tolerance}")
+    if previous_mu is None or previous_mu == mu:
+        raise WeightSyncError(f"{where}, and vLLM's own logprobs did not change: vLLM is not serving the trained "
+                              f"weights")
+    raise EngineDivergence(f"{where}; vLLM did take new weights: the engines diverged")
 
 
 def _make_trainer_class():
@@ -159,6 +181,7 @@ def _make_trainer_class():
 
             def sync_and_check():
                 stock_sync()
+                verify_plugin(llm, rpa_config.numerics.regions)  # the reload kept the aligned modules
                 self.check_sync()
 
             self.vllm_generation.sync_weights = sync_and_check
@@ -184,15 +207,17 @@ def _make_trainer_class():
             gen.llm.reset_prefix_cache()
 
         def check_sync(self) -> float:
-            """Mean |dlogp| of vLLM vs the trainer on the probe sequence; raises past tolerance."""
+            """Mean |dlogp| of vLLM vs the trainer on the probe sequence.
+
+            Past tolerance: if vLLM's probe logprobs did not change since the previous check,
+            it still serves old weights (:class:`WeightSyncError`); if they did, the engines
+            have diverged numerically (:class:`EngineDivergence`, a collapse).
+            """
             with self.autocast_smart_context_manager():
-                gap = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
+                gap, mu = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
             step = self.state.global_step if getattr(self, "state", None) is not None else 0
-            if not math.isfinite(gap) or gap > self.rpa_config.sync_check.tolerance:
-                raise WeightSyncError(
-                    f"after the weight sync at step {step}, vLLM's logprobs of the probe sequence differ from the "
-                    f"trainer's by mean |dlogp| = {gap:.4g} > tolerance {self.rpa_config.sync_check.tolerance}: "
-                    f"vLLM is not serving the trained weights")
+            previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
+            check_sync_result(gap, self.rpa_config.sync_check.tolerance, mu, previous, step)
             self.rpa_last_sync_gap = gap
             return gap
 
@@ -337,15 +362,17 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     records = read_metrics(metrics_path)
     nonfinite_weights = any(not torch.isfinite(p).all() for p in model.parameters())
     verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
-    if error is not None and nonfinite_weights and not verdict.get("collapsed"):
+    blew_up = error is not None and (nonfinite_weights or isinstance(error, EngineDivergence))
+    if blew_up and not verdict.get("collapsed"):
+        cause = "non-finite weights" if nonfinite_weights else "sampler/trainer divergence"
         verdict.update(collapsed=True, collapse_step=trainer.state.global_step,
-                       collapse_reason=f"non-finite weights; run stopped: {error!r}")
+                       collapse_reason=f"{cause}; run stopped: {error}")
     summary = {"schema": SUMMARY_SCHEMA, **verdict,
-               "status": "ok" if error is None else ("collapsed" if nonfinite_weights else "error"),
+               "status": "ok" if error is None else ("collapsed" if blew_up else "error"),
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": alignment.describe(),
                "provenance": provenance()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-    if error is not None and not nonfinite_weights:
+    if error is not None and not blew_up:
         raise error
     return summary

@@ -20,7 +20,7 @@ BASE = {
     "task": {"name": "synthetic-add", "num_prompts": 64, "max_operand": 20, "seed": 0},
     "numerics": {"regions": "all"},
     "steps": 6, "prompts_per_step": 4, "num_generations": 4, "learning_rate": 1.0e-3,
-    "max_prompt_length": 32, "max_completion_length": 6, "checkpoint_every": 2,
+    "max_prompt_length": 32, "max_completion_length": 6, "checkpoint_every": 2, "gradient_checkpointing": True,
     "warm_start": {"steps": 40, "learning_rate": 3.0e-3, "batch_size": 16},
     "sync_check": {"tolerance": 0.05, "probe_tokens": 24},
 }
@@ -125,10 +125,35 @@ res = {{}}
 for name in ("init_model", "checkpoint-6"):
     m = AutoModelForCausalLM.from_pretrained(out + "/" + name, dtype=torch.bfloat16)
     with align_model(m, "all"):
-        res[name] = sync_gap(llm, m, ids)
+        res[name] = sync_gap(llm, m, ids)[0]
 print(json.dumps(res))
 """
     proc = run_py(["-c", script])
     assert proc.returncode == 0, tail(proc)
     gaps = json.loads(proc.stdout.strip().splitlines()[-1])
     assert gaps["init_model"] <= 0.05 < gaps["checkpoint-6"], gaps
+
+
+def test_sync_check_classification():
+    from rpa.grpo import EngineDivergence, WeightSyncError, check_sync_result
+
+    check_sync_result(0.01, 0.05, [-1.0, -2.0], [-1.5, -2.5], step=3)  # within tolerance
+    with pytest.raises(WeightSyncError, match="did not change"):  # stale: vLLM's logprobs are the old ones
+        check_sync_result(0.2, 0.05, [-1.0, -2.0], [-1.0, -2.0], step=3)
+    with pytest.raises(WeightSyncError):  # engines disagree from the start
+        check_sync_result(0.2, 0.05, [-1.0, -2.0], None, step=0)
+    with pytest.raises(EngineDivergence, match="diverged"):
+        check_sync_result(float("nan"), 0.05, [-1.0, -3.0], [-1.0, -2.0], step=7)
+
+
+@pytest.mark.slow
+def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "numerics": {"regions": "none"},
+                                   "learning_rate": 1000.0, "steps": 4, "gradient_checkpointing": False}))
+    out = tmp_path / "run"
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
+    assert proc.returncode == 0, tail(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["collapsed"] and summary["status"] in ("collapsed", "ok") and summary["collapse_step"] <= 4
+    assert summary["collapse_reason"]
