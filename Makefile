@@ -8,7 +8,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup main test test-fast bench clean
+.PHONY: setup main train-grid test test-fast bench clean
 
 $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ setup: $(STAMP)
 # per-layer diagnosis, tables and figures under results/cpu (the config's `results`).
 main: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES)
+
+# The GRPO grid of experiments/config.yaml (`train:`): region sets x seeds x settings on CPU.
+train-grid: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES) train_all
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs

@@ -22,6 +22,14 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 
+def save_grid(grid, path: Path, title: str | None = None) -> None:
+    """Write a seaborn FacetGrid to ``path`` and free it."""
+    if title:
+        grid.figure.suptitle(title, y=1.02)
+    grid.savefig(path, bbox_inches="tight")
+    plt.close(grid.figure)
+
+
 def mismatch_figure(probe: pd.DataFrame, path: Path) -> None:
     long = probe.melt(id_vars=["model", "config"],
                       value_vars=["mean_abs_dlogp", "batch_vs_single_mean_abs_dlogp"],
@@ -32,9 +40,7 @@ def mismatch_figure(probe: pd.DataFrame, path: Path) -> None:
                        height=4, aspect=1.6)
     grid.set(yscale="log")
     grid.set_xticklabels(rotation=60, ha="right")
-    grid.figure.suptitle("Mismatch per numerics configuration (same tokens for every configuration)", y=1.02)
-    grid.savefig(path, bbox_inches="tight")
-    plt.close(grid.figure)
+    save_grid(grid, path, "Mismatch per numerics configuration (same tokens for every configuration)")
 
 
 def dlogp_vs_prob_figure(results: Path, configs: list[str], path: Path) -> None:
@@ -52,8 +58,7 @@ def dlogp_vs_prob_figure(results: Path, configs: list[str], path: Path) -> None:
     grid = sns.relplot(data=data, kind="line", x="bin", y="abs_dlogp", hue="config", col="model", marker="o",
                        errorbar=None, height=4, aspect=1.3)
     grid.set(yscale="log", xlabel="log10 sampling probability (half-decade bins)", ylabel="mean |dlogp|")
-    grid.savefig(path, bbox_inches="tight")
-    plt.close(grid.figure)
+    save_grid(grid, path)
 
 
 def layers_figure(diagnose: pd.DataFrame, path: Path) -> None:
@@ -67,9 +72,7 @@ def layers_figure(diagnose: pd.DataFrame, path: Path) -> None:
     for ax, (_, group) in zip(grid.axes.flat, diagnose.groupby("model", sort=False)):
         ticks = group.drop_duplicates("step").sort_values("step")
         ax.set_xticks(ticks.step, ticks["where"], rotation=70, ha="right", fontsize=7)
-    grid.figure.suptitle("Hidden-state divergence vLLM vs trainer along the forward pass", y=1.02)
-    grid.savefig(path, bbox_inches="tight")
-    plt.close(grid.figure)
+    save_grid(grid, path, "Hidden-state divergence vLLM vs trainer along the forward pass")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+
+from analysis.figures import save_grid  # noqa: E402
 
 RUN_COLUMNS = ("setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason", "peak_reward",
                "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status", "wall_s")
@@ -59,9 +60,7 @@ def figure(curves: pd.DataFrame, path: Path, window: int = 5) -> None:
                        var_name="metric", value_name="value")
     grid = sns.relplot(data=long, kind="line", x="step", y="value", hue="regions", units="seed", estimator=None,
                        row="metric", col="setting", height=3, aspect=1.6, facet_kws={"sharey": "row"}, alpha=0.8)
-    grid.figure.suptitle("GRPO on CPU: reward and vLLM-vs-trainer mismatch per step", y=1.02)
-    grid.savefig(path, bbox_inches="tight")
-    plt.close(grid.figure)
+    save_grid(grid, path, "GRPO on CPU: reward and vLLM-vs-trainer mismatch per step")
 
 
 def main(argv: list[str] | None = None) -> int:
