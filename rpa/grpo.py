@@ -289,6 +289,23 @@ def truncate_metrics(path: Path, last_step: int) -> int:
     return len(kept)
 
 
+def _claim_rendezvous_port() -> None:
+    """Give this single-process run its own torch.distributed port.
+
+    TRL's colocate mode picks ``MASTER_PORT`` from a fixed candidate list (29500, 23456, ...),
+    so two runs started together (a Snakemake grid) can pick the same port and one dies with
+    EADDRINUSE. An OS-assigned ephemeral port avoids that; a launcher's setting is kept.
+    """
+    import socket
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("MASTER_PORT", "").strip() not in ("", "0", "auto"):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
 def _grpo_args(cfg: TrainConfig, out: Path):
     import torch
     from trl import GRPOConfig
@@ -344,6 +361,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
     make_llm_env(cfg.numerics.regions, multiprocess=False)
+    _claim_rendezvous_port()
 
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     autocast = cfg.numerics.trainer_mode == "autocast"
