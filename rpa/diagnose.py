@@ -131,6 +131,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    started = provenance()  # the code that ran is the code at the start
     print(f"[rpa diagnose] {model}: {numerics.to_dict()}, {len(sequences)} sequences", file=sys.stderr, flush=True)
     llm = make_llm(model, numerics.regions, enforce_eager=True, seed=seed, enable_prefix_caching=False,
                    **numerics.vllm_kwargs())
@@ -172,7 +173,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         "final_norm": next(r for r in rows if r["boundary"] == FINAL),
         "config": {"model": str(model), "numerics": numerics.to_dict(), "sequences": len(sequences),
                    "tokens": sum(map(len, sequences)), "trainer": alignment.describe(), "mode": "eager"},
-        "provenance": provenance(),
+        "provenance": started,
         "wall_s": round(time.time() - t0, 2),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

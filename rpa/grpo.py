@@ -337,6 +337,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{out} holds a run with a different config; use a new directory")
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     t0 = time.time()
+    from rpa.provenance import provenance
+
+    started = provenance()  # the code that ran is the code at the start
 
     from rpa.engine import make_llm_env
     from rpa.tasks import build_task
@@ -352,7 +355,6 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpa.collapse import collapse_verdict
-    from rpa.provenance import provenance
     from rpa.trainer import align_model
 
     metrics_path = out / "metrics.jsonl"
@@ -391,7 +393,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "status": "ok" if error is None else ("collapsed" if blew_up else "error"),
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": alignment.describe(),
-               "provenance": provenance()}
+               "provenance": started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     if error is not None and not blew_up:
         raise error

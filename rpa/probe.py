@@ -216,6 +216,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    started = provenance()  # the code that ran is the code at the start
     hf_config = AutoConfig.from_pretrained(model)
     vocab = int(hf_config.vocab_size)
     full = vocab <= options.full_kl_max_vocab
@@ -279,7 +280,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                          "mode": "compiled" if options.compiled else "eager",
                          "completions": str(completions_path) if completions_path else "sampled",
                          "trainer": alignment.describe(), "vocab_size": vocab}
-    summary["provenance"] = provenance()
+    summary["provenance"] = started
     summary["wall_s"] = round(time.time() - t0, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out / "tokens.csv", "w", newline="") as f:

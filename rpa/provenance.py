@@ -29,6 +29,16 @@ def git_commit(path: str | Path | None = None) -> str | None:
     return res.stdout.strip() or None
 
 
+def git_dirty(path: str | Path | None = None) -> bool | None:
+    """Whether tracked files differ from the commit (results then do not come from it alone)."""
+    try:
+        res = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                             cwd=path or Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(res.stdout.strip()) if res.returncode == 0 else None
+
+
 def provenance() -> dict:
     import torch
 
@@ -39,4 +49,5 @@ def provenance() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(),
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
     }
