@@ -142,6 +142,30 @@ def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
     return float((pi.cpu().double() - torch.tensor(mu, dtype=torch.float64)).abs().mean()), mu
 
 
+def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
+                            batch_size: int | None = None, compute_entropy: bool = False):
+    """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
+
+    Through the model's own forward, so its LM head runs in the configured numerics (BF16 in
+    compute mode, FP32 with ``lm_head_fp32``), then log-softmax in FP32 as vLLM does. (TRL
+    1.16's fused LM head reads ``lm_head.weight`` directly, i.e. the FP32 master, which would
+    give the trainer an FP32 LM head the sampler does not have.)
+    """
+    import torch
+
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        logits = model(input_ids=ids, attention_mask=attention_mask[start:start + batch_size], use_cache=False,
+                       logits_to_keep=logits_to_keep + 1).logits
+        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        logps.append(logp.gather(-1, ids[:, -logits_to_keep:, None])[..., 0])
+        if compute_entropy:
+            entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
+
+
 def check_sync_result(gap: float, tolerance: float, mu: list[float], previous_mu: list[float] | None,
                       step: int) -> None:
     """Classify a post-sync check: within tolerance passes; otherwise vLLM logprobs that did not
@@ -222,6 +246,16 @@ def _make_trainer_class():
             check_sync_result(gap, self.rpa_config.sync_check.tolerance, mu, previous, step)
             self.rpa_last_sync_gap = gap
             return gap
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               **multimodal):
+            if any(v is not None for v in multimodal.values()) or compute_aux_loss:
+                raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
+            with self.accelerator.autocast():
+                logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
+                                                         self.temperature, batch_size, compute_entropy)
+            return logps, entropy, None
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)

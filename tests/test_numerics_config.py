@@ -85,3 +85,30 @@ def test_trl_batch_layout_with_rope_aligned_equals_batch_one(tiny_dirs):
         results[regions] = (single, batch)
     assert results["all"][0] == results["all"][1]
     assert results["none"][0] != results["none"][1]
+
+
+def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
+    """The GRPO runner's trainer logprobs: FP32 masters in compute mode score exactly like the
+    BF16 model (the LM head is not run on the FP32 masters, as TRL's fused head would), and
+    equal the probe's per-sequence scoring bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from rpa.grpo import token_logps_and_entropy
+    from rpa.trainer import align_model
+
+    path = str(tiny_dirs["qwen3"])
+    ids = torch.randint(3, 500, (1, 14), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with align_model(master, "all"), align_model(bf16, "all"), torch.no_grad():
+        a, ent = token_logps_and_entropy(master, ids, mask, 6, compute_entropy=True)
+        b, _ = token_logps_and_entropy(bf16, ids, mask, 6)
+        probe = trainer_logprobs(bf16, ids[0, :8].tolist(), ids[0, 8:].tolist())
+        # control: TRL's fused head, i.e. the same BF16 hidden states through the FP32 master weight
+        hidden = master.model(ids).last_hidden_state
+        fused = torch.log_softmax(F.linear(hidden.float(), master.lm_head.weight), -1)
+    assert torch.equal(a, b) and a[0].tolist() == probe
+    assert ent.shape == (1, 6) and (ent > 0).all()
+    assert hidden.dtype == torch.bfloat16
+    assert not torch.equal(fused[0, 7:13].gather(-1, ids[0, 8:, None])[:, 0], a[0])
