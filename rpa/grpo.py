@@ -128,18 +128,13 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
 
 def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
     """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
-    and vLLM's logprobs themselves."""
-    import torch
-    from vllm import SamplingParams
+    and vLLM's logprobs themselves. Scored as the probe scores fixed tokens."""
+    from rpa.probe import sampler_logprobs, trainer_logprobs
 
-    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-    result = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    mu = [row[t].logprob for row, t in zip(result.prompt_logprobs[1:], ids[1:])]
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(torch.tensor([ids], device=device)).logits.float()[0, :-1]
-    pi = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
-    return float((pi.cpu().double() - torch.tensor(mu, dtype=torch.float64)).abs().mean()), mu
+    seq = {"seq": 0, "prompt_ids": ids[:1], "completion_ids": ids[1:]}
+    mu = sampler_logprobs(llm, [seq], None)[0][0]
+    pi = trainer_logprobs(model, seq["prompt_ids"], seq["completion_ids"])
+    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu
 
 
 def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
@@ -275,9 +270,9 @@ def _make_trainer_class():
             m = mismatch_metrics(trainer[keep].double().cpu().numpy(), sampling[keep].double().cpu().numpy(),
                                  rows.cpu().numpy())
             mode = "train" if self.model.training else "eval"
-            for key in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
-                        "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside"):
-                self._metrics[mode][f"mismatch/{key}"].append(m[key])
+            for key, value in m.items():
+                if key not in ("tokens", "sequences"):  # counts, not mismatch measures
+                    self._metrics[mode][f"mismatch/{key}"].append(value)
             self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
             return out
 

@@ -20,23 +20,23 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def git_commit(path: str | Path | None = None) -> str | None:
+def _git(*args: str, path: str | Path | None = None) -> subprocess.CompletedProcess | None:
     try:
-        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
+        return subprocess.run(["git", *args], cwd=path or Path(__file__).parent, capture_output=True, text=True,
+                              timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return res.stdout.strip() or None
+
+
+def git_commit(path: str | Path | None = None) -> str | None:
+    res = _git("rev-parse", "HEAD", path=path)
+    return (res.stdout.strip() or None) if res is not None else None
 
 
 def git_dirty(path: str | Path | None = None) -> bool | None:
     """Whether tracked files differ from the commit (results then do not come from it alone)."""
-    try:
-        res = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                             cwd=path or Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(res.stdout.strip()) if res.returncode == 0 else None
+    res = _git("status", "--porcelain", "--untracked-files=no", path=path)
+    return bool(res.stdout.strip()) if res is not None and res.returncode == 0 else None
 
 
 def provenance() -> dict:

@@ -65,12 +65,16 @@ def synthetic_add_rows(n: int, max_operand: int, seed: int) -> list[dict[str, st
 _FIRST_INT = re.compile(r"-?\d+")
 
 
+def _text(completion) -> str:
+    """A completion as TRL passes it: a string, or a conversation whose last message is the reply."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def exact_int_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the first integer in the completion equals the answer."""
     out = []
     for completion, gold in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        match = _FIRST_INT.search(text)
+        match = _FIRST_INT.search(_text(completion))
         out.append(1.0 if match is not None and match.group() == str(gold).strip() else 0.0)
     return out
 
@@ -91,7 +95,7 @@ def math_verify_reward(prompts, completions, answer, **kwargs) -> list[float]:
 
     out = []
     for completion, gold in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        text = _text(completion)
         gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$")
         try:
             ok = bool(gold_parsed) and verify(gold_parsed, parse(text))
