@@ -188,7 +188,7 @@ def sequences_from(completions_path: str | Path | None, model: str, count: int, 
     """``count`` token sequences: prompt + completion from a probe's ``completions.jsonl``,
     or the probe's default prompts tokenized."""
     if completions_path is not None:
-        from rpa.probe import load_completions
+        from rpa.scoring import load_completions
 
         return [c["prompt_ids"] + c["completion_ids"] for c in load_completions(completions_path)[:count]]
     from transformers import AutoTokenizer

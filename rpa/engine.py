@@ -52,8 +52,11 @@ def stop_capture(llm) -> list[dict[str, Any]]:
 
 def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
     """Fail closed unless every worker aligns exactly ``regions`` in every matching layer."""
+    from rpa.ops import backend_report
+
     statuses = worker_status(llm)
     want = format_regions(regions)
+    kernels = backend_report()
     problems = []
     for st in statuses:
         where = f"worker pid {st['pid']}"
@@ -63,6 +66,9 @@ def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
         if st["regions"] != want:
             problems.append(f"{where}: plugin aligns {st['regions']!r}, requested {want!r} "
                             f"(the region set is fixed per process; start a new one)")
+        if st.get("kernels") != kernels:
+            problems.append(f"{where}: kernel backend {st.get('kernels')} differs from this process's {kernels} "
+                            f"(both sides must run the same kernels; set RPA_KERNELS alike)")
         for region in REGIONS:
             aligned = st["aligned_layers"].get(region, 0)
             stock = st["stock_layers"].get(region, 0)

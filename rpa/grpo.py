@@ -126,41 +126,6 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
 # --------------------------------------------------------------------------- the trainer
 
 
-def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
-    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
-    and vLLM's logprobs themselves. Scored as the probe scores fixed tokens."""
-    from rpa.probe import sampler_logprobs, trainer_logprobs
-
-    seq = {"seq": 0, "prompt_ids": ids[:1], "completion_ids": ids[1:]}
-    mu = sampler_logprobs(llm, [seq], None)[0][0]
-    pi = trainer_logprobs(model, seq["prompt_ids"], seq["completion_ids"])
-    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu
-
-
-def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
-                            batch_size: int | None = None, compute_entropy: bool = False):
-    """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
-
-    Through the model's own forward, so its LM head runs in the configured numerics (BF16 in
-    compute mode, FP32 with ``lm_head_fp32``), then log-softmax in FP32 as vLLM does. (TRL
-    1.16's fused LM head reads ``lm_head.weight`` directly, i.e. the FP32 master, which would
-    give the trainer an FP32 LM head the sampler does not have.)
-    """
-    import torch
-
-    batch_size = batch_size or input_ids.size(0)
-    logps, entropies = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids = input_ids[start:start + batch_size]
-        logits = model(input_ids=ids, attention_mask=attention_mask[start:start + batch_size], use_cache=False,
-                       logits_to_keep=logits_to_keep + 1).logits
-        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-        logps.append(logp.gather(-1, ids[:, -logits_to_keep:, None])[..., 0])
-        if compute_entropy:
-            entropies.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
-
-
 def check_sync_result(gap: float, tolerance: float, mu: list[float], previous_mu: list[float] | None,
                       step: int) -> None:
     """Classify a post-sync check: within tolerance passes; otherwise vLLM logprobs that did not
@@ -183,6 +148,7 @@ def _make_trainer_class():
     from trl import GRPOTrainer
 
     from rpa.metrics import mismatch_metrics
+    from rpa.scoring import sync_gap, token_logps_and_entropy
 
     class RpaGRPOTrainer(GRPOTrainer):
         def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], **kwargs):

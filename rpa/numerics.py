@@ -36,6 +36,18 @@ def rope_cos_sin_table(inv_freq: Tensor, max_positions: int) -> Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def rope_table(base: float, rotary_dim: int, max_positions: int) -> Tensor:
+    """The shared FP32 cos/sin table, always built on the CPU.
+
+    FP32 ``pow``/``cos``/``sin`` round differently on CPU and CUDA (measured on an H200:
+    ``rope_inv_freq`` differs in 2 of 64 entries, the table in ~20%), and vLLM builds its
+    layers under a CUDA default device. Building on the CPU, whatever the default device,
+    and moving the finished table (an exact copy) gives both sides the same bits.
+    """
+    inv_freq = rope_inv_freq(base, rotary_dim, device="cpu")
+    return rope_cos_sin_table(inv_freq, max_positions)
+
+
 def rope_lookup(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """FP32 ``cos, sin`` of shape ``positions.shape + [rotary_dim // 2]`` (an exact gather)."""
     cos_sin = table[positions]
@@ -58,6 +70,11 @@ def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
 
+def rope_rotate_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Gradient of :func:`rope_rotate` w.r.t. ``x``: the rotation by the opposite angle."""
+    return rope_rotate(grad, cos, -sin)
+
+
 # -------------------------------------------------------------------------- SwiGLU
 
 
@@ -65,6 +82,15 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` of the BF16 GEMM outputs, computed in FP32."""
     product = F.silu(gate.float()) * up.float()
     return product.to(gate.dtype)  # the one rounding: FP32 silu*up -> compute dtype
+
+
+def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`swiglu` w.r.t. ``gate`` and ``up``, in FP32, each rounded once."""
+    g32, u32, dy = gate.float(), up.float(), grad.float()
+    sig = torch.sigmoid(g32)
+    d_gate = dy * u32 * (sig * (1.0 + g32 * (1.0 - sig)))
+    d_up = dy * (g32 * sig)
+    return d_gate.to(gate.dtype), d_up.to(up.dtype)  # one rounding each
 
 
 # --------------------------------------------------------- residual add + RMSNorm
@@ -94,3 +120,15 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     """Residual add then RMSNorm of the *rounded* sum. Returns ``(normed, new_residual)``."""
     new_residual = add_residual(x, residual)
     return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`rms_norm` w.r.t. ``x`` and ``weight`` (taken at ``x``'s dtype),
+    in FP32, each rounded once; the weight gradient is summed over all leading dims."""
+    x32, dy = x.float(), grad.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = x32 * rstd
+    dy_w = dy * weight.to(x.dtype).float()
+    d_x = rstd * (dy_w - x_hat * (dy_w * x_hat).mean(-1, keepdim=True))
+    d_w = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    return d_x.to(x.dtype), d_w.to(weight.dtype)  # one rounding each

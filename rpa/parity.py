@@ -116,7 +116,7 @@ def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Pa
     from vllm import SamplingParams, TokensPrompt
 
     from rpa import engine
-    from rpa.probe import trainer_logprobs
+    from rpa.scoring import trainer_logprobs
     from rpa.provenance import provenance
     from rpa.trainer import align_model
 

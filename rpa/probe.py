@@ -42,6 +42,8 @@ import numpy as np
 
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
+from rpa.scoring import (load_completions, sample_completions, sampler_logprobs, save_completions,
+                         trainer_batch_logprobs, trainer_logprobs)
 
 SCHEMA = "rpa.probe/1"
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
@@ -83,116 +85,6 @@ def default_prompts(n: int, seed: int) -> list[str]:
 
 def _log(msg: str) -> None:
     print(f"[rpa probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------ tokens
-
-
-def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -> list[dict[str, Any]]:
-    """Temperature-1 samples with vLLM's decode-time logprob of each sampled token."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
-    completions = []
-    for result in llm.generate(prompts, params, use_tqdm=False):
-        for c in result.outputs:
-            ids = list(c.token_ids)
-            completions.append({"seq": len(completions), "prompt_ids": list(result.prompt_token_ids),
-                                "completion_ids": ids,
-                                "logp_decode": [lp[t].logprob for lp, t in zip(c.logprobs, ids)]})
-    return [c for c in completions if c["completion_ids"]]
-
-
-def save_completions(path: Path, completions: list[dict[str, Any]]) -> None:
-    with open(path, "w") as f:
-        for c in completions:
-            f.write(json.dumps(c) + "\n")
-
-
-def load_completions(path: str | Path) -> list[dict[str, Any]]:
-    """Completions written by :func:`save_completions` (``logp_decode`` is dropped: it
-    belongs to the configuration that sampled them)."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            c = json.loads(line)
-            missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
-            if missing:
-                raise ValueError(f"{path}:{n}: missing {sorted(missing)}")
-            out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
-    if not out:
-        raise ValueError(f"{path}: no completions")
-    return out
-
-
-# ------------------------------------------------------------------------ scoring
-
-
-def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[float]], list[np.ndarray] | None]:
-    """vLLM's logprob of every completion token via ``prompt_logprobs``; with ``top_k`` =
-    vocabulary size also the full log-distribution at each completion position."""
-    from vllm import SamplingParams
-
-    # flat_logprobs + no detokenizing: a full-vocabulary row is a slice of flat arrays,
-    # not `vocab` Python objects (15x faster on the tiny models).
-    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k or 0, flat_logprobs=True,
-                            detokenize=False)
-    inputs = [{"prompt_token_ids": c["prompt_ids"] + c["completion_ids"]} for c in completions]
-    logps, dists = [], [] if top_k else None
-    for c, result in zip(completions, llm.generate(inputs, params, use_tqdm=False)):
-        flat, start, ids = result.prompt_logprobs, len(c["prompt_ids"]), c["completion_ids"]
-        token_ids, values = np.asarray(flat.token_ids), np.asarray(flat.logprobs, dtype=np.float64)
-        picked, dist = [], np.full((len(ids), top_k or 1), -np.inf)
-        for j, tok in enumerate(ids):
-            lo, hi = flat.start_indices[start + j], flat.end_indices[start + j]
-            row_ids, row_lp = token_ids[lo:hi], values[lo:hi]
-            hit = np.flatnonzero(row_ids == tok)
-            if hit.size == 0:
-                raise RuntimeError(f"vLLM returned no logprob for completion token {tok} of sequence {c['seq']}")
-            picked.append(float(row_lp[hit[0]]))
-            if top_k:
-                dist[j, row_ids] = row_lp
-                if np.isneginf(dist[j]).any():
-                    raise RuntimeError(f"vLLM returned {np.isfinite(dist[j]).sum()} of {top_k} logprobs; "
-                                       f"cannot compute full_kl")
-        logps.append(picked)
-        if top_k:
-            dists.append(dist)
-    return logps, dists
-
-
-def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
-    """Trainer log-probability of each completion token given everything before it
-    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
-    import torch
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids + completion_ids], device=device)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1: -1], dim=-1)
-    picked = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
-    return (picked, logp.double().cpu().numpy()) if full else picked
-
-
-def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]:
-    """All sequences in one batch, laid out as TRL does: prompts left-padded, completions
-    right-padded, an attention mask and no ``position_ids``."""
-    import torch
-
-    device = next(model.parameters()).device
-    p_len = max(len(c["prompt_ids"]) for c in completions)
-    c_len = max(len(c["completion_ids"]) for c in completions)
-    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, c in enumerate(completions):
-        p, y = c["prompt_ids"], c["completion_ids"]
-        ids[i, p_len - len(p): p_len] = torch.tensor(p)
-        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
-        mask[i, p_len - len(p): p_len + len(y)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-    logp = torch.log_softmax(logits[:, p_len - 1: -1], dim=-1).gather(-1, ids[:, p_len:, None].to(device))[..., 0]
-    return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
 
 
 def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:

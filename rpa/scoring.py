@@ -1,0 +1,223 @@
+"""The central measurement: trainer vs sampler log-probabilities of the same tokens.
+
+Used by the probe, parity, diagnose and the GRPO runner alike:
+
+* completions I/O (:func:`sample_completions`, :func:`save_completions`,
+  :func:`load_completions`): ``{"seq", "prompt_ids", "completion_ids"}`` records, JSON lines;
+* μ, the sampler: :func:`sampler_logprobs` (vLLM ``prompt_logprobs`` of fixed tokens);
+* π, the trainer: :func:`trainer_logprobs` (one sequence, no padding),
+  :func:`trainer_batch_logprobs` (a padded batch laid out as TRL lays it out) and
+  :func:`token_logps_and_entropy` (the GRPO runner's scoring: micro-batches, and the LM
+  head + FP32 log-softmax in chunks of tokens, so memory does not grow with the
+  vocabulary times the whole step);
+* :func:`sync_gap`: both on one sequence, after a weight sync.
+
+Trainer log-softmax is taken in FP32, as vLLM takes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LOGPROB_CHUNK_TOKENS = 1024
+"""Default tokens per LM-head + log-softmax chunk in :func:`token_logps_and_entropy`
+(1024 x 151,936 FP32 logits = 0.6 GB); a run config sets its own."""
+
+
+class CompletionsError(ValueError):
+    """A completions file that cannot be scored (empty, not JSON lines, missing keys)."""
+
+
+# ---------------------------------------------------------------------- completions
+
+
+def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Temperature-1 samples with vLLM's decode-time logprob of each sampled token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
+    completions = []
+    for result in llm.generate(prompts, params, use_tqdm=False):
+        for c in result.outputs:
+            ids = list(c.token_ids)
+            completions.append({"seq": len(completions), "prompt_ids": list(result.prompt_token_ids),
+                                "completion_ids": ids,
+                                "logp_decode": [lp[t].logprob for lp, t in zip(c.logprobs, ids)]})
+    return [c for c in completions if c["completion_ids"]]
+
+
+def save_completions(path: Path, completions: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for c in completions:
+            f.write(json.dumps(c) + "\n")
+
+
+def load_completions(path: str | Path) -> list[dict[str, Any]]:
+    """Completions written by :func:`save_completions` (``logp_decode`` is dropped: it
+    belongs to the configuration that sampled them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CompletionsError(f"{path}: no such file")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                c = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CompletionsError(f"{path}:{n}: not a JSON line ({err.msg})") from None
+            if not isinstance(c, dict):
+                raise CompletionsError(f"{path}:{n}: expected a JSON object, got {type(c).__name__}")
+            missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
+            if missing:
+                raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
+                                       f"(records need seq, prompt_ids, completion_ids)")
+            if not (c["prompt_ids"] and c["completion_ids"]) or not all(
+                    isinstance(t, int) for t in c["prompt_ids"] + c["completion_ids"]):
+                raise CompletionsError(f"{path}:{n}: prompt_ids and completion_ids must be non-empty lists of "
+                                       f"token ids")
+            out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
+    if not out:
+        raise CompletionsError(f"{path}: no completions (empty file)")
+    return out
+
+
+# -------------------------------------------------------------------- the sampler, μ
+
+
+def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[float]], list[np.ndarray] | None]:
+    """vLLM's logprob of every completion token via ``prompt_logprobs``; with ``top_k`` =
+    vocabulary size also the full log-distribution at each completion position."""
+    from vllm import SamplingParams
+
+    # flat_logprobs + no detokenizing: a full-vocabulary row is a slice of flat arrays,
+    # not `vocab` Python objects (15x faster on the tiny models).
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k or 0, flat_logprobs=True,
+                            detokenize=False)
+    inputs = [{"prompt_token_ids": c["prompt_ids"] + c["completion_ids"]} for c in completions]
+    logps, dists = [], [] if top_k else None
+    for c, result in zip(completions, llm.generate(inputs, params, use_tqdm=False)):
+        flat, start, ids = result.prompt_logprobs, len(c["prompt_ids"]), c["completion_ids"]
+        token_ids, values = np.asarray(flat.token_ids), np.asarray(flat.logprobs, dtype=np.float64)
+        picked, dist = [], np.full((len(ids), top_k or 1), -np.inf)
+        for j, tok in enumerate(ids):
+            lo, hi = flat.start_indices[start + j], flat.end_indices[start + j]
+            row_ids, row_lp = token_ids[lo:hi], values[lo:hi]
+            hit = np.flatnonzero(row_ids == tok)
+            if hit.size == 0:
+                raise RuntimeError(f"vLLM returned no logprob for completion token {tok} of sequence {c['seq']}")
+            picked.append(float(row_lp[hit[0]]))
+            if top_k:
+                dist[j, row_ids] = row_lp
+                if np.isneginf(dist[j]).any():
+                    raise RuntimeError(f"vLLM returned {np.isfinite(dist[j]).sum()} of {top_k} logprobs; "
+                                       f"cannot compute full_kl")
+        logps.append(picked)
+        if top_k:
+            dists.append(dist)
+    return logps, dists
+
+
+# -------------------------------------------------------------------- the trainer, π
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """Trainer log-probability of each completion token given everything before it
+    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + completion_ids], device=device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1: -1], dim=-1)
+    picked = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+    return (picked, logp.double().cpu().numpy()) if full else picked
+
+
+def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]:
+    """All sequences in one batch, laid out as TRL does: prompts left-padded, completions
+    right-padded, an attention mask and no ``position_ids``."""
+    import torch
+
+    device = next(model.parameters()).device
+    p_len = max(len(c["prompt_ids"]) for c in completions)
+    c_len = max(len(c["completion_ids"]) for c in completions)
+    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(completions):
+        p, y = c["prompt_ids"], c["completion_ids"]
+        ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
+        mask[i, p_len - len(p): p_len + len(y)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    logp = torch.log_softmax(logits[:, p_len - 1: -1], dim=-1).gather(-1, ids[:, p_len:, None].to(device))[..., 0]
+    return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
+
+
+def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
+    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
+    and vLLM's logprobs themselves. Scored as the probe scores fixed tokens."""
+    seq = {"seq": 0, "prompt_ids": ids[:1], "completion_ids": ids[1:]}
+    mu = sampler_logprobs(llm, [seq], None)[0][0]
+    pi = trainer_logprobs(model, seq["prompt_ids"], seq["completion_ids"])
+    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu
+
+
+def _head_logps(head, hidden, targets, temperature: float, entropy: bool):
+    """LM head + FP32 log-softmax of one chunk of tokens: picked log-probs (and entropies)."""
+    import torch
+
+    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
+
+
+def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
+                            batch_size: int | None = None, compute_entropy: bool = False,
+                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
+
+    Sequences go through the model in micro-batches of ``batch_size``; the model's own LM
+    head (so it runs in the configured numerics: BF16 in compute mode, FP32 with
+    ``lm_head_fp32``; TRL 1.16's fused head would multiply by the FP32 master) and the FP32
+    log-softmax run on ``chunk_tokens`` tokens at a time, each chunk recomputed in the
+    backward pass when gradients are on, so at most one chunk of full-vocabulary logits is
+    alive at a time instead of ``batch x tokens x vocabulary``.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    batch_size = batch_size or input_ids.size(0)
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    alignment = getattr(model, "_rpa_alignment", None)
+    if alignment is not None:
+        alignment.refresh()  # what the model's own forward would check first
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        hidden = decoder(input_ids=ids, attention_mask=attention_mask[start:start + batch_size],
+                         use_cache=False).last_hidden_state
+        width = hidden.size(-1)
+        hidden = hidden[:, -(logits_to_keep + 1):-1].reshape(-1, width)  # the positions predicting the kept tokens
+        targets = ids[:, -logits_to_keep:].reshape(-1)
+        picked, ents = [], []
+        for lo in range(0, targets.numel(), chunk_tokens):
+            args = (head, hidden[lo:lo + chunk_tokens], targets[lo:lo + chunk_tokens], temperature, compute_entropy)
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                p, e = checkpoint(_head_logps, *args, use_reentrant=False)
+            else:
+                p, e = _head_logps(*args)
+            picked.append(p)
+            ents.append(e)
+        logps.append(torch.cat(picked).view(ids.size(0), logits_to_keep))
+        if compute_entropy:
+            entropies.append(torch.cat(ents).view(ids.size(0), logits_to_keep))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
