@@ -157,6 +157,12 @@ def _make_trainer_class():
             super().__init__(*args, **kwargs)
             from rpa.engine import verify_plugin
 
+            if self.ref_model is not None:
+                # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
+                # it must score in the same numerics as the policy, or the KL term measures the
+                # numerics gap (at step 1 the two must agree bit for bit)
+                self.rpa_ref_alignment = rpa_config.numerics.align(self.accelerator.unwrap_model(self.ref_model))
+
             llm = self.vllm_generation.llm
             verify_plugin(llm, rpa_config.numerics.regions)
             self._check_engine_dtypes(llm)
@@ -350,7 +356,6 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpa.collapse import collapse_verdict
-    from rpa.trainer import align_model
 
     metrics_path = out / "metrics.jsonl"
     resume = latest_checkpoint(out)
@@ -361,10 +366,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     _claim_rendezvous_port()
 
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    autocast = cfg.numerics.trainer_mode == "autocast"
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
-    alignment = align_model(model, cfg.numerics.regions, compute_dtype=None if autocast else cfg.numerics.torch_dtype(),
-                            lm_head_fp32=cfg.numerics.lm_head_fp32)
+    alignment = cfg.numerics.align(model)
     probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
     probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
     trainer_cls = _make_trainer_class()

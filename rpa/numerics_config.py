@@ -96,23 +96,28 @@ class NumericsConfig:
 
     # ---------------------------------------------------------------- trainer side
 
+    def align(self, model):
+        """Install :func:`rpa.trainer.align_model` on a HF model (BF16 or FP32 masters) for this
+        configuration: the regions, the compute dtype (none in autocast mode) and the LM head."""
+        from rpa.trainer import align_model
+
+        autocast = self.trainer_mode == "autocast"
+        return align_model(model, self.regions, compute_dtype=None if autocast else self.torch_dtype(),
+                           lm_head_fp32=self.lm_head_fp32)
+
     def load_trainer_model(self, model: str, device: str = "cpu", **kwargs):
-        """The HF model for this configuration with :func:`rpa.trainer.align_model` installed.
+        """The HF model for this configuration with :meth:`align` installed.
 
         Returns ``(model, alignment)``; run forwards inside :meth:`trainer_context`.
         """
         import torch
         from transformers import AutoModelForCausalLM
 
-        from rpa.trainer import align_model
-
         autocast = self.trainer_mode == "autocast"
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else self.torch_dtype(),
                                                   **kwargs).to(device)
         hf.eval()
-        handle = align_model(hf, self.regions, compute_dtype=None if autocast else self.torch_dtype(),
-                             lm_head_fp32=self.lm_head_fp32)
-        return hf, handle
+        return hf, self.align(hf)
 
     def trainer_context(self, device: str = "cpu"):
         """``torch.autocast`` at the precision in autocast mode, else a null context."""
