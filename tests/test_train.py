@@ -158,3 +158,20 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["collapsed"] and summary["status"] in ("collapsed", "ok") and summary["collapse_step"] <= 4
     assert summary["collapse_reason"]
+
+
+@pytest.mark.slow
+def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, tmp_path):
+    """beta > 0: TRL loads the reference from the checkpoint as a stock model; rpa aligns it
+    like the policy. At step 1 (policy = reference, same numerics) the KL is exactly 0; later
+    the policy moves and the frozen reference does not, so the KL grows."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "beta": 0.04, "steps": 3,
+                                   "checkpoint_every": 3, "gradient_checkpointing": False}))
+    out = tmp_path / "run"
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
+    assert proc.returncode == 0, tail(proc)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["kl"] == 0.0, records[0]["kl"]
+    assert records[-1]["kl"] > 0.0
