@@ -166,9 +166,6 @@ def bench_steps(shape: dict, batch: int, seq: int, device: str, settings: list[s
         handle.remove()
         out.append(row)
         print(f"  {setting:9s} {row['step_ms']:9.1f} ms", flush=True)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -207,6 +204,8 @@ def main() -> None:
         for name in shapes:
             print(f"steps: {name}, batch {args.batch} x {args.seq}", flush=True)
             rows = bench_steps(SHAPES[name], args.batch, args.seq, args.device, args.settings.split(","), args.repeat)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()  # the shape's model is gone with bench_steps
             base = next((r["step_ms"] for r in rows if r["setting"] == "none"), None)
             for r in rows:
                 r["vs_none"] = r["step_ms"] / base if base else None

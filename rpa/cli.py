@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 
@@ -18,9 +17,11 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
+    from rpa.numerics_config import NumericsConfig
     from rpa.parity import run_parity
 
-    report = run_parity(args.model, args.regions, args.out, compiled=args.compiled,
+    numerics = NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
+    report = run_parity(args.model, numerics, args.out, compiled=args.compiled,
                         multiprocess=args.multiprocess, trainer_dtype=args.trainer_dtype)
     if not report["plugin"]["active"]:
         print(f"rpa parity: FAIL, plugin not active:\n{report['plugin']['error']}", file=sys.stderr)
@@ -29,6 +30,9 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         verdict = "bitwise equal" if r["bitwise_equal"] else "DIFFERS"
         print(f"  {region:8s} {verdict:13s} calls={r['calls']} elements={r['elements_checked']} "
               f"equal={r['elements_equal']} max_abs_diff={r['max_abs_diff']:g}")
+    for name, gap in report.get("compiled_vs_eager", {}).items():
+        verdict = "bitwise equal" if gap["bitwise_equal"] else "DIFFERS"
+        print(f"  {name} vs eager engine: {verdict} ({gap['tokens']} prompt logprobs, max |d| {gap['max_abs_dlogp']:g})")
     lp = report["logprobs"]
     print(f"  logprobs (whole model, not gated): mean|dlogp|={lp['mean_abs_dlogp']:.3g} "
           f"max={lp['max_abs_dlogp']:.3g} bitwise={lp['frac_bitwise_equal']:.3f}")
@@ -40,7 +44,8 @@ def _numerics(args: argparse.Namespace):
     from rpa.numerics_config import NumericsConfig
 
     return NumericsConfig.from_dict({"regions": args.regions, "precision": args.precision,
-                                     "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode})
+                                     "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode,
+                                     "device": args.device})
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -69,6 +74,13 @@ def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-mode", choices=TRAINER_MODES, default="compute",
                         help="compute: parameters at the precision (FSDP-style, the study's baseline); "
                              "autocast: FP32 parameters under torch.autocast (TRL default)")
+    _add_device_arg(parser)
+
+
+def _add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto",
+                        help="trainer-side device: auto (the device type vLLM runs on), cpu, cuda, cuda:N; "
+                             "both sides must be on one device type")
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
@@ -86,11 +98,14 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from rpa.train_config import TrainConfig, TrainConfigError
 
+    from rpa.inputs import check_model
+
     try:
         cfg = TrainConfig.from_yaml(args.config)
     except TrainConfigError as err:
         print(f"rpa train: config error: {err}", file=sys.stderr)
         return 2
+    check_model(cfg.model)
     from rpa.grpo import run_train
 
     s = run_train(cfg, args.out)
@@ -126,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--multiprocess", action="store_true", help="vLLM engine core in its own process")
     parity.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="parameter dtype of the HF model (float32 = FP32 master, BF16 compute)")
+    _add_device_arg(parity)
     parity.set_defaults(func=_cmd_parity)
 
     probe = sub.add_parser("probe", help="sample with vLLM, rescore with the trainer, write mismatch metrics")
@@ -160,24 +176,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Everything that can be checked before a model or an engine loads."""
+    from rpa.inputs import check_model
+    from rpa.numerics_config import NumericsConfig
+
+    if args.command in ("parity", "probe", "diagnose"):
+        numerics = (NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
+                    if args.command == "parity" else _numerics(args))
+        if args.command == "parity" and not numerics.regions:
+            from rpa.errors import InputError
+
+            raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
+        numerics.check_device()
+        check_model(args.model)
+        if getattr(args, "completions", None):
+            from rpa.scoring import load_completions
+
+            load_completions(args.completions)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from rpa.numerics_config import NumericsConfigError
-    from rpa.regions import RegionError, parse_regions
+    from rpa.errors import UserError
 
     args = build_parser().parse_args(argv)
-    if getattr(args, "regions", None) is not None:
-        try:
-            regions = parse_regions(args.regions)
-            if hasattr(args, "precision"):
-                _numerics(args)
-        except (RegionError, NumericsConfigError) as err:
-            print(f"rpa: error: {err}", file=sys.stderr)
-            return 2
-        if args.command == "parity" and not regions:
-            print("rpa: error: parity needs at least one aligned region ('none' has nothing to check)",
-                  file=sys.stderr)
-            return 2
-    return args.func(args)
+    try:
+        _check_inputs(args)
+        return args.func(args)
+    except UserError as err:
+        print(f"rpa {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

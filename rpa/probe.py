@@ -42,8 +42,14 @@ import numpy as np
 
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
-from rpa.scoring import (load_completions, sample_completions, sampler_logprobs, save_completions,
-                         trainer_batch_logprobs, trainer_logprobs)
+from rpa.scoring import (
+    load_completions,
+    sample_completions,
+    sampler_logprobs,
+    save_completions,
+    trainer_batch_logprobs,
+    trainer_logprobs,
+)
 
 SCHEMA = "rpa.probe/1"
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
@@ -113,9 +119,9 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     vocab = int(hf_config.vocab_size)
     full = vocab <= options.full_kl_max_vocab
     _log(f"{model}: {numerics.to_dict()}; starting vLLM ({'compiled' if options.compiled else 'eager'})")
-    llm = make_llm(model, numerics.regions, enforce_eager=not options.compiled, seed=options.seed,
+    llm = make_llm(model, numerics, enforce_eager=not options.compiled, seed=options.seed,
                    max_model_len=options.max_model_len, enable_prefix_caching=False,
-                   max_logprobs=vocab if full else 20, **numerics.vllm_kwargs())
+                   max_logprobs=vocab if full else 20)
     if completions_path is None:
         completions = sample_completions(llm, default_prompts(options.prompts, options.seed), options.samples,
                                          options.max_tokens)

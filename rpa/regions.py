@@ -6,11 +6,13 @@ A region set is data. Its text form is ``none``, ``all`` or a comma-separated su
 
 from __future__ import annotations
 
+from rpa.errors import UserError
+
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 """The alignable regions, in the order they are reported."""
 
 
-class RegionError(ValueError):
+class RegionError(UserError):
     """A region set that names something other than a known region."""
 
 

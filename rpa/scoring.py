@@ -23,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from rpa.errors import UserError
+
 LOGPROB_CHUNK_TOKENS = 1024
 """Default tokens per LM-head + log-softmax chunk in :func:`token_logps_and_entropy`
 (1024 x 151,936 FP32 logits = 0.6 GB); a run config sets its own."""
 
 
-class CompletionsError(ValueError):
+class CompletionsError(UserError):
     """A completions file that cannot be scored (empty, not JSON lines, missing keys)."""
 
 

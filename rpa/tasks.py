@@ -19,10 +19,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rpa.errors import UserError, looks_like_hub_id
+
 TASKS = ("synthetic-add", "gsm8k", "math")
+DATA_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+"""``datasets`` builder names that read local ``data_files``."""
 
 
-class TaskError(ValueError):
+class TaskError(UserError):
     """A task that cannot be built (unknown name, missing columns, empty data)."""
 
 
@@ -48,6 +52,23 @@ class TaskSpec:
                             f"or 'json' with data_files)")
         if self.num_prompts < 1 or self.max_operand < 1:
             raise TaskError("num_prompts and max_operand must be >= 1")
+        if self.path:
+            self._check_path()
+
+    def _check_path(self) -> None:
+        """Local paths and data files must exist now (a hub id is resolved when loading)."""
+        import glob
+        from pathlib import Path
+
+        if self.path in DATA_BUILDERS:
+            if not self.data_files:
+                raise TaskError(f"path {self.path!r} is a datasets builder: it needs data_files")
+            files = [self.data_files] if isinstance(self.data_files, str) else list(self.data_files)
+            missing = [f for f in files if not glob.glob(str(Path(f).expanduser()))]
+            if missing:
+                raise TaskError(f"data_files: no such file(s): {', '.join(map(str, missing))}")
+        elif not Path(self.path).expanduser().exists() and not looks_like_hub_id(self.path):
+            raise TaskError(f"path {self.path!r}: no such file or directory, and not a hub id of the form 'org/name'")
 
 
 # ----------------------------------------------------------------------- synthetic

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.collapse import CollapseThresholds
+from rpa.errors import UserError
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.tasks import TaskError, TaskSpec
 
@@ -20,7 +21,7 @@ IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_t
 """Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(UserError):
     """An invalid run config (the message names the key)."""
 
 
@@ -60,11 +61,26 @@ class TrainConfig:
     max_prompt_length: int = 128
     max_completion_length: int = 32
     gradient_checkpointing: bool = False
+    per_device_train_batch_size: int | None = None
+    """Completions per forward/backward micro-batch (TRL's option); ``None``: the whole step.
+    Must divide the completions of a step; the rest is gradient accumulation."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step; ``None``: completions per step / micro-batch size.
+    Given together with ``per_device_train_batch_size``, their product must be the step."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per LM-head + log-softmax chunk when the trainer scores completions
+    (:func:`rpa.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at once."""
     checkpoint_every: int = 20
     warm_start: WarmStart = field(default_factory=WarmStart)
     sync_check: SyncCheck = field(default_factory=SyncCheck)
     collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
     report_to: tuple[str, ...] = ()
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of GPU memory the colocated vLLM takes (TRL ``vllm_gpu_memory_utilization``)."""
+    vllm_context_slack: int = 8
+    """Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."""
+    shuffle_dataset: bool = True
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         if self.is_correction not in IS_CORRECTIONS:
@@ -82,6 +98,27 @@ class TrainConfig:
                                    "'auto', which downcasts float32 checkpoints (the FP32 floor is a probe point)")
         if self.warm_start.steps < 0:
             raise TrainConfigError("warm_start.steps: must be >= 0")
+        if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
+            raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise TrainConfigError("vllm_gpu_memory_utilization: must be in (0, 1]")
+        if self.numerics.device != "auto":
+            raise TrainConfigError("numerics.device: training places the model where accelerate does; leave it 'auto'")
+        self.micro_batching()  # raises on a split that does not add up
+
+    def micro_batching(self) -> tuple[int, int]:
+        """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step."""
+        total = self.completions_per_step
+        size, accumulate = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if size is None:
+            size = total // (accumulate or 1)
+        accumulate = accumulate or total // max(size, 1)
+        if size < 1 or accumulate < 1 or size * accumulate != total:
+            raise TrainConfigError(f"per_device_train_batch_size x gradient_accumulation_steps must equal the "
+                                   f"completions per step ({self.prompts_per_step} prompts x {self.num_generations} "
+                                   f"generations = {total}); got {self.per_device_train_batch_size} x "
+                                   f"{self.gradient_accumulation_steps}")
+        return size, accumulate
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":

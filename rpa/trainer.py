@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rpa import numerics, ops
+from rpa.errors import UserError
 from rpa.regions import format_regions, parse_regions
 
 SUPPORTED_ARCHS: dict[str, str] = {
@@ -57,7 +58,7 @@ SUPPORTED_ARCHS: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default",)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
     """A model the trainer patch does not handle (refused, never silently left stock)."""
 
 
@@ -306,19 +307,14 @@ class TrainerAlignment:
         self.remove()
 
 
-def check_supported(model: nn.Module) -> types.ModuleType:
-    """Return the model's modeling module, or raise :class:`UnsupportedModelError`."""
-    config = getattr(model, "config", None)
+def check_config(config) -> None:
+    """Refuse (:class:`UnsupportedModelError`) a HF config the aligned regions do not cover:
+    checked from ``config.json`` alone, before any weights load."""
     model_type = getattr(config, "model_type", None)
     supported = ", ".join(f"{t} ({SUPPORTED_ARCHS[t].rsplit('.', 1)[-1]})" for t in SUPPORTED_ARCHS)
     if model_type not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(f"rpa aligns Qwen2/Qwen3 causal LMs only; got model_type={model_type!r}. "
                                     f"Supported: {supported}")
-    modeling = importlib.import_module(SUPPORTED_ARCHS[model_type])
-    prefix = "Qwen2" if model_type == "qwen2" else "Qwen3"
-    if not isinstance(getattr(model, "model", None), getattr(modeling, f"{prefix}Model")):
-        raise UnsupportedModelError(f"expected a {prefix}ForCausalLM-style model with .model a {prefix}Model; "
-                                    f"got {type(model).__name__}")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -329,6 +325,17 @@ def check_supported(model: nn.Module) -> types.ModuleType:
                                     f"the aligned RoPE rotates the whole head, as Qwen2/Qwen3 do")
     if config.hidden_act != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not SwiGLU (silu)")
+
+
+def check_supported(model: nn.Module) -> types.ModuleType:
+    """Return the model's modeling module, or raise :class:`UnsupportedModelError`."""
+    config = getattr(model, "config", None)
+    check_config(config)
+    modeling = importlib.import_module(SUPPORTED_ARCHS[config.model_type])
+    prefix = "Qwen2" if config.model_type == "qwen2" else "Qwen3"
+    if not isinstance(getattr(model, "model", None), getattr(modeling, f"{prefix}Model")):
+        raise UnsupportedModelError(f"expected a {prefix}ForCausalLM-style model with .model a {prefix}Model; "
+                                    f"got {type(model).__name__}")
     return modeling
 
 

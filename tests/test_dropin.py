@@ -3,7 +3,6 @@
 ``compute_dtype=None`` (TRL's autocast numerics) -- plus TRL's reference-model helper."""
 
 import copy
-import io
 import pickle
 
 import pytest

@@ -103,6 +103,7 @@ def test_every_step_logs_reward_and_mismatch_metrics(killed_and_resumed_run):
         assert not missing, (r["step"], missing)
         assert 0 <= r["mismatch/mean_abs_dlogp"] < 0.1 and 0 <= r["sync/mean_abs_dlogp"] <= 0.05
     assert any(r["grad_norm"] > 0 for r in records)  # GRPO had advantages to follow
+    assert all(r["data/prompts_dropped_too_long"] == 0 for r in records)
     config = json.loads((out / "config.json").read_text())
     assert config["numerics"]["regions"] == "all" and config["is_correction"] == "off"
 
@@ -175,3 +176,49 @@ def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, t
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["kl"] == 0.0, records[0]["kl"]
     assert records[-1]["kl"] > 0.0
+
+
+@pytest.mark.slow
+def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
+    out = killed_and_resumed_run["out"]
+    before = (out / "metrics.jsonl").read_text()
+    checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(out.parent / "run.yaml"), "--out", str(out)])
+    assert proc.returncode == 0 and "already finished (6 steps, status ok); nothing to do" in proc.stderr, tail(proc)
+    assert (out / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints  # no checkpoint-7
+
+
+@pytest.mark.slow
+def test_second_process_on_a_run_directory_is_refused(killed_and_resumed_run):
+    """While one process holds the run directory, another is refused at start; the killed
+    first run of the fixture left its lock file behind and the rerun was not blocked."""
+    import fcntl
+
+    out = killed_and_resumed_run["out"]
+    assert (out / ".lock").exists() and killed_and_resumed_run["second"].returncode == 0
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242")
+        held.flush()
+        proc = run_py(["-m", "rpa.cli", "train", "--config", str(out.parent / "run.yaml"), "--out", str(out)])
+    assert proc.returncode == 2 and "is in use by a running rpa train" in proc.stderr, tail(proc)
+
+
+def test_over_long_prompts_are_dropped(tiny_dirs):
+    from transformers import AutoTokenizer
+
+    from rpa.grpo import filter_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
+    rows = [{"prompt": "What is 1 + 2? Answer:", "answer": "3"}, {"prompt": "word " * 60, "answer": "0"}]
+    kept, dropped = filter_prompts(rows, tok, 32)
+    assert kept == rows[:1] and dropped == 1
+
+
+def test_micro_batching_must_add_up():
+    cfg = TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 4})
+    assert cfg.micro_batching() == (4, 4)
+    assert TrainConfig.from_dict({"model": "m", **BASE, "gradient_accumulation_steps": 2}).micro_batching() == (8, 2)
+    with pytest.raises(TrainConfigError, match="must equal the completions per step"):
+        TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 5})

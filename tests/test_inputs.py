@@ -1,0 +1,104 @@
+"""Bad input gets one clear line and exit 2, before any model or engine loads."""
+
+import pytest
+import yaml
+
+from tests.conftest import run_py, tail
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama")
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(path)
+    return path
+
+
+def rpa(*args, timeout=120):
+    proc = run_py(["-m", "rpa.cli", *map(str, args)], timeout=timeout)
+    return proc
+
+
+def one_line_refusal(proc, needle):
+    assert proc.returncode == 2, tail(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rpa ")]
+    assert len(lines) == 1 and needle in lines[0], tail(proc)
+    assert "Traceback" not in proc.stderr, tail(proc)
+
+
+def test_missing_model_directory(tmp_path):
+    one_line_refusal(rpa("parity", "--model", "/nonexistent", "--regions", "all", "--out", tmp_path / "p.json"),
+                     "model /nonexistent: no such directory")
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path):
+    one_line_refusal(rpa("probe", "--model", tmp_path, "--regions", "all", "--out", tmp_path / "o"),
+                     "directory without config.json")
+
+
+def test_unsupported_architecture_is_refused_before_vllm_starts(llama_dir, tmp_path):
+    proc = rpa("parity", "--model", llama_dir, "--regions", "all", "--out", tmp_path / "p.json")
+    one_line_refusal(proc, "model_type='llama'")
+    assert "vllm" not in proc.stderr.lower().replace("rpa parity", "")  # no engine log lines
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "no completions (empty file)"),
+    ('{"seq": 0, "prompt_ids": [1]}\n', "missing key(s) completion_ids"),
+    ("not json\n", "not a JSON line"),
+    ('{"seq": 0, "prompt_ids": [], "completion_ids": [3]}\n', "non-empty lists of token ids"),
+])
+def test_bad_completions_file(tiny_dirs, tmp_path, content, needle):
+    path = tmp_path / "completions.jsonl"
+    path.write_text(content)
+    one_line_refusal(rpa("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+                         "--completions", path), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_completions_file(tiny_dirs, tmp_path):
+    one_line_refusal(rpa("diagnose", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+                         "--completions", tmp_path / "nope.jsonl"), "no such file")
+
+
+def test_trainer_on_another_device_type_than_vllm(tiny_dirs, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine vLLM and the trainer can both be on cuda")
+    one_line_refusal(rpa("parity", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "p.json",
+                         "--device", "cuda"), "vLLM runs on 'cpu' here")
+
+
+def test_bad_device_name(tiny_dirs, tmp_path):
+    one_line_refusal(rpa("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+                         "--device", "gpu0"), "device 'gpu0' is not one of")
+
+
+@pytest.mark.parametrize("task,needle", [
+    ({"name": "gsm8k", "path": "/nonexistent/gsm8k"}, "no such file or directory"),
+    ({"name": "gsm8k", "path": "json", "data_files": "/nonexistent/train.jsonl"}, "data_files: no such file"),
+])
+def test_missing_task_data(tiny_dirs, tmp_path, task, needle):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), "task": task}))
+    proc = rpa("train", "--config", cfg, "--out", tmp_path / "run")
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, tail(proc)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_missing_model(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "/nonexistent/model"}))
+    one_line_refusal(rpa("train", "--config", cfg, "--out", tmp_path / "run"), "no such directory")
+
+
+def test_every_prompt_too_long(tiny_dirs, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), "max_prompt_length": 2,
+                                   "task": {"name": "synthetic-add", "num_prompts": 8}}))
+    one_line_refusal(rpa("train", "--config", cfg, "--out", tmp_path / "run"),
+                     "every prompt of the task is longer than 2 tokens")
+    assert not (tmp_path / "run" / "config.json").exists()  # nothing of a run was written
