@@ -8,7 +8,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup main train-grid test test-fast bench clean
+.PHONY: setup main train-grid test test-fast bench gpu-check clean
 
 $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# On a CUDA machine, in the GPU install (README, "Install"), not the CPU venv: parity (eager and
+# compiled + CUDA graphs), a probe and three GRPO steps on a tiny model; PASS/FAIL per step.
+gpu-check:
+	$(PYTHON) -m rpa.gpucheck --out results/gpu-check
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_regions.py

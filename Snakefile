@@ -35,6 +35,7 @@ SAMPLER = PROBE["sampler"]
 DIAGNOSE = config["diagnose"].get("configs", [])
 FIGURES = config["figures"]
 ENV = f"envs/rpa-{config.get('env', 'cpu')}.yaml"
+DEVICE = config.get("device", "auto")  # trainer side of parity / probe / diagnose
 TRAIN = {(p["setting"], p["regions"], str(p["seed"])): p["config"] for p in train_points(config)} if config.get(
     "train") else {}
 
@@ -115,7 +116,8 @@ rule parity:
         mem_mb=6000,
         runtime=30,
     shell:
-        "rpa parity --model {params.model} --regions {params.regions} {params.compiled} --out {output} > {log} 2>&1"
+        "rpa parity --model {params.model} --regions {params.regions} {params.compiled} --device {DEVICE} "
+        "--out {output} > {log} 2>&1"
 
 
 # ------------------------------------------------------------------------------ probe
@@ -147,7 +149,7 @@ rule probe:
     params:
         model=model_path,
         out=lambda wc: f"{R}/probe/{wc.model}/{wc.numerics}",
-        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]),
+        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
         completions=lambda wc, input: f"--completions {input.completions[0]}" if input.completions else "",
         options=probe_options(),
     log:
@@ -187,7 +189,7 @@ rule diagnose:
     params:
         model=model_path,
         out=lambda wc: f"{R}/diagnose/{wc.model}/{wc.numerics}",
-        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]),
+        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
         sequences=config["diagnose"].get("sequences", 4),
     log:
         f"{R}/logs/diagnose/{{model}}/{{numerics}}.log",

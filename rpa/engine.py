@@ -105,7 +105,7 @@ def make_llm_env(regions: frozenset[str], *, multiprocess: bool = False, kv_cach
     the plugin's region set, the compile-cache root of that region set
     (:func:`compile_cache_key`), in-process or multiprocess engine core, CPU KV-cache size."""
     os.environ[ENV_VAR] = format_regions(regions)
-    if CACHE_BASE_ENV not in os.environ:
+    if not os.environ.get(CACHE_BASE_ENV):
         default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
         os.environ[CACHE_BASE_ENV] = os.environ.get("VLLM_CACHE_ROOT", default)
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions))
