@@ -109,6 +109,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rpa.grpo import run_train
 
     s = run_train(cfg, args.out)
+    if "rank" in s:  # another process of a multi-process run: rank 0 reports
+        return 0
     verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] else "no collapse"
     print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
           f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {args.out}")

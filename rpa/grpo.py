@@ -51,8 +51,18 @@ class EngineDivergence(RuntimeError):
     far beyond rounding: the run has blown up; recorded as a collapse."""
 
 
+def world_size() -> int:
+    """Processes of this run (``accelerate launch`` / ``torchrun`` set ``WORLD_SIZE``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _log(msg: str) -> None:
-    print(f"[rpa train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    who = f" rank {rank()}" if world_size() > 1 else ""
+    print(f"[rpa train{who} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- start model
@@ -148,6 +158,9 @@ def _make_trainer_class():
     import torch
     from trl import GRPOTrainer
 
+    import numpy as np
+    from accelerate.utils import gather_object
+
     from rpa.metrics import mismatch_metrics
     from rpa.scoring import sync_gap, token_logps_and_entropy
 
@@ -240,12 +253,15 @@ def _make_trainer_class():
                         self.model, ids, mask, out["completion_ids"].size(1),
                         batch_size=self.args.per_device_train_batch_size)
             keep = out["completion_mask"].bool()
-            rows = keep.nonzero(as_tuple=True)[0]
-            m = mismatch_metrics(trainer[keep].double().cpu().numpy(), sampling[keep].double().cpu().numpy(),
-                                 rows.cpu().numpy())
+            rows = keep.nonzero(as_tuple=True)[0] + self.accelerator.process_index * keep.size(0)
+            # every rank's tokens: the metrics are over the step's completions, not one rank's share
+            local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist())
+            parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+            m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                                 np.concatenate([p[2] for p in parts]))
             mode = "train" if self.model.training else "eval"
             for key, value in m.items():
-                if key not in ("tokens", "sequences"):  # counts, not mismatch measures
+                if key != "sequences":
                     self._metrics[mode][f"mismatch/{key}"].append(value)
             self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
             return out
@@ -261,7 +277,7 @@ def _metrics_callback(path: Path, constants: dict[str, Any]):
         run's ``constants`` (e.g. ``data/prompts_dropped_too_long``) in every record."""
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:
+            if not logs or "reward" not in logs or not state.is_world_process_zero:
                 return
             record = {"step": state.global_step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
                                                      for k, v in logs.items()}, **constants}
@@ -309,6 +325,17 @@ def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     if summary.get("status") == "collapsed" or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
         return summary
     return None
+
+
+def _wait_for(path: Path, timeout_s: float = 3600) -> None:
+    """Ranks other than 0 wait for a file rank 0 writes (before any process group exists)."""
+    deadline = time.time() + timeout_s
+    if not path.exists():
+        _log(f"waiting for rank 0 to write {path}")
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"rank {rank()}: {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(1.0)
 
 
 def filter_prompts(rows: list[dict[str, Any]], tokenizer, max_prompt_length: int) -> tuple[list[dict], int]:
@@ -362,7 +389,7 @@ def _grpo_args(cfg: TrainConfig, out: Path):
 
     autocast = cfg.numerics.trainer_mode == "autocast"
     mode = IS_CORRECTIONS[cfg.is_correction]
-    micro_batch, accumulate = cfg.micro_batching()
+    micro_batch, accumulate = cfg.micro_batching(world_size())
     return GRPOConfig(
         output_dir=str(out), max_steps=cfg.steps, seed=cfg.seed, learning_rate=cfg.learning_rate, beta=cfg.beta,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulate,
@@ -374,6 +401,7 @@ def _grpo_args(cfg: TrainConfig, out: Path):
         fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=True, vllm_mode="colocate",
         vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
         vllm_importance_sampling_correction=mode is not None,
         vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
         disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
@@ -389,7 +417,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lock = lock_run_dir(out)  # noqa: F841 - held until this process ends
+    main = rank() == 0  # under accelerate launch: rank 0 owns the run directory's files
+    lock = lock_run_dir(out) if main else None  # noqa: F841 - held until this process ends
     cfg_path = out / "config.json"
     if cfg_path.exists() and json.loads(cfg_path.read_text()) != json.loads(json.dumps(cfg.to_dict())):
         raise RunDirectoryBusy(f"{out} holds a run with a different config; use a new directory")
@@ -414,11 +443,14 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if not rows:
         raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
                                f"tokens")
-    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     init_dir = out / "init_model"
-    if not (init_dir / "config.json").exists():
-        _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
-        prepare_init_model(cfg, rows, init_dir)
+    if main:
+        cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if not (init_dir / "config.json").exists():
+            _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
+            prepare_init_model(cfg, rows, init_dir)
+    else:
+        _wait_for(init_dir / "config.json")
 
     import datasets
     import torch
@@ -429,7 +461,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     resume = latest_checkpoint(out)
     resume_step = int(resume.name.split("-")[-1]) if resume else 0
-    kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps))
+    kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps)) if main else 0
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
     error, model, trainer, described = None, None, None, None
@@ -454,6 +486,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
             error = err
+    if not main:
+        if error is not None:
+            raise error
+        return {"schema": SUMMARY_SCHEMA, "rank": rank(), "status": "ok", "note": "rank 0 writes the summary"}
     records = read_metrics(metrics_path)
     nonfinite_weights = model is not None and any(not torch.isfinite(p).all() for p in model.parameters())
     verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}

@@ -180,6 +180,19 @@ def _head_logps(head, hidden, targets, temperature: float, entropy: bool):
     return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
+def _is_wrapped(model) -> bool:
+    """A DDP wrapper or an FSDP2-sharded model: its forward (the wrapper's, or the root
+    module's unshard hooks) must run, so its decoder and head cannot be called apart."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    return isinstance(model, (torch.nn.parallel.DistributedDataParallel, FSDPModule)) or \
+        not hasattr(model, "get_decoder")
+
+
 def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
                             batch_size: int | None = None, compute_entropy: bool = False,
                             chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
@@ -190,7 +203,9 @@ def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: in
     ``lm_head_fp32``; TRL 1.16's fused head would multiply by the FP32 master) and the FP32
     log-softmax run on ``chunk_tokens`` tokens at a time, each chunk recomputed in the
     backward pass when gradients are on, so at most one chunk of full-vocabulary logits is
-    alive at a time instead of ``batch x tokens x vocabulary``.
+    alive at a time instead of ``batch x tokens x vocabulary``. A DDP- or FSDP2-wrapped model
+    runs its whole forward once per micro-batch instead (the wrapper must see the forward;
+    the micro-batch size then bounds the logits).
     """
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -198,27 +213,36 @@ def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: in
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     batch_size = batch_size or input_ids.size(0)
-    head, decoder = model.get_output_embeddings(), model.get_decoder()
-    alignment = getattr(model, "_rpa_alignment", None)
-    if alignment is not None:
-        alignment.refresh()  # what the model's own forward would check first
+    wrapped = _is_wrapped(model)
+    if not wrapped:
+        head, decoder = model.get_output_embeddings(), model.get_decoder()
+        alignment = getattr(model, "_rpa_alignment", None)
+        if alignment is not None:
+            alignment.refresh()  # what the model's own forward would check first
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
-        ids = input_ids[start:start + batch_size]
-        hidden = decoder(input_ids=ids, attention_mask=attention_mask[start:start + batch_size],
-                         use_cache=False).last_hidden_state
-        width = hidden.size(-1)
-        hidden = hidden[:, -(logits_to_keep + 1):-1].reshape(-1, width)  # the positions predicting the kept tokens
+        ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
         targets = ids[:, -logits_to_keep:].reshape(-1)
-        picked, ents = [], []
-        for lo in range(0, targets.numel(), chunk_tokens):
-            args = (head, hidden[lo:lo + chunk_tokens], targets[lo:lo + chunk_tokens], temperature, compute_entropy)
-            if torch.is_grad_enabled() and hidden.requires_grad:
-                p, e = checkpoint(_head_logps, *args, use_reentrant=False)
-            else:
-                p, e = _head_logps(*args)
-            picked.append(p)
-            ents.append(e)
+        if wrapped:
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                           logits_to_keep=logits_to_keep + 1).logits[:, :-1]
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1).reshape(-1, logits.size(-1))
+            picked = [logp.gather(-1, targets[:, None])[:, 0]]
+            ents = [-(logp.exp() * logp).sum(-1) if compute_entropy else None]
+        else:
+            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            width = hidden.size(-1)
+            hidden = hidden[:, -(logits_to_keep + 1):-1].reshape(-1, width)  # the positions predicting the kept tokens
+            picked, ents = [], []
+            for lo in range(0, targets.numel(), chunk_tokens):
+                args = (head, hidden[lo:lo + chunk_tokens], targets[lo:lo + chunk_tokens], temperature,
+                        compute_entropy)
+                if torch.is_grad_enabled() and hidden.requires_grad:
+                    p, e = checkpoint(_head_logps, *args, use_reentrant=False)
+                else:
+                    p, e = _head_logps(*args)
+                picked.append(p)
+                ents.append(e)
         logps.append(torch.cat(picked).view(ids.size(0), logits_to_keep))
         if compute_entropy:
             entropies.append(torch.cat(ents).view(ids.size(0), logits_to_keep))

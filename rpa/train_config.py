@@ -77,6 +77,8 @@ class TrainConfig:
     report_to: tuple[str, ...] = ()
     vllm_gpu_memory_utilization: float = 0.3
     """Share of GPU memory the colocated vLLM takes (TRL ``vllm_gpu_memory_utilization``)."""
+    vllm_tensor_parallel_size: int = 1
+    """Ranks per colocated vLLM engine (TRL ``vllm_tensor_parallel_size``); must divide the processes."""
     vllm_context_slack: int = 8
     """Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."""
     shuffle_dataset: bool = True
@@ -100,24 +102,31 @@ class TrainConfig:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
             raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if self.vllm_tensor_parallel_size < 1:
+            raise TrainConfigError("vllm_tensor_parallel_size: must be >= 1")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise TrainConfigError("vllm_gpu_memory_utilization: must be in (0, 1]")
         if self.numerics.device != "auto":
             raise TrainConfigError("numerics.device: training places the model where accelerate does; leave it 'auto'")
         self.micro_batching()  # raises on a split that does not add up
 
-    def micro_batching(self) -> tuple[int, int]:
-        """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step."""
+    def micro_batching(self, world_size: int = 1) -> tuple[int, int]:
+        """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step
+        on ``world_size`` processes: their product times ``world_size`` is the step's completions."""
         total = self.completions_per_step
+        if total % world_size:
+            raise TrainConfigError(f"the completions per step ({total}) do not split over {world_size} processes")
+        per_rank = total // world_size
         size, accumulate = self.per_device_train_batch_size, self.gradient_accumulation_steps
         if size is None:
-            size = total // (accumulate or 1)
-        accumulate = accumulate or total // max(size, 1)
-        if size < 1 or accumulate < 1 or size * accumulate != total:
-            raise TrainConfigError(f"per_device_train_batch_size x gradient_accumulation_steps must equal the "
-                                   f"completions per step ({self.prompts_per_step} prompts x {self.num_generations} "
-                                   f"generations = {total}); got {self.per_device_train_batch_size} x "
-                                   f"{self.gradient_accumulation_steps}")
+            size = per_rank // (accumulate or 1)
+        accumulate = accumulate or per_rank // max(size, 1)
+        if size < 1 or accumulate < 1 or size * accumulate != per_rank:
+            raise TrainConfigError(f"per_device_train_batch_size x gradient_accumulation_steps x processes must equal "
+                                   f"the completions per step ({self.prompts_per_step} prompts x "
+                                   f"{self.num_generations} generations = {total}); got "
+                                   f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} x "
+                                   f"{world_size}")
         return size, accumulate
 
     @classmethod

@@ -220,5 +220,6 @@ def test_micro_batching_must_add_up():
     cfg = TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 4})
     assert cfg.micro_batching() == (4, 4)
     assert TrainConfig.from_dict({"model": "m", **BASE, "gradient_accumulation_steps": 2}).micro_batching() == (8, 2)
+    assert cfg.micro_batching(world_size=2) == (4, 2)
     with pytest.raises(TrainConfigError, match="must equal the completions per step"):
         TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 5})

@@ -1,0 +1,84 @@
+"""Beyond one process: the trainer patch under FSDP2, and ``rpa train`` on two processes.
+
+On CPU (gloo). ``accelerate launch`` starts several CPU processes only through MPI, so the
+two-process run uses ``torch.distributed.run`` -- the launcher accelerate's multi-GPU configs
+(``experiments/accelerate/``) call on GPU machines; TRL's Accelerator picks up its environment
+the same way.
+"""
+
+import json
+import socket
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import run_py, tail
+
+FSDP_SCRIPT = """
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+from rpa.scoring import token_logps_and_entropy
+from rpa.trainer import align_model
+path = sys.argv[1]
+ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+align_model(ref, "all"), align_model(model, "all")
+ids = torch.randint(3, 500, (3, 14), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+mask[1, :4] = 0
+mesh = init_device_mesh("cpu", (1,))
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+patched = lambda m: sorted(n for n, x in m.named_modules() if "forward" in x.__dict__)
+with torch.no_grad():
+    same = torch.equal(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
+    a, _ = token_logps_and_entropy(model, ids, mask, 6)
+    b, _ = token_logps_and_entropy(ref, ids, mask, 6)
+loss = token_logps_and_entropy(model, ids, mask, 6)[0].sum()
+loss.backward()
+print(json.dumps({"wrapped": type(model).__name__, "same_logits": same, "same_logps": bool(torch.equal(a, b)),
+                  "patched_equal": patched(model) == patched(ref), "patched": len(patched(model)),
+                  "grads": all(p.grad is not None for p in model.parameters())}))
+"""
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_trainer_patch_survives_fsdp2_wrapping(tiny_dirs):
+    proc = run_py(["-c", FSDP_SCRIPT, str(tiny_dirs["qwen3"]), free_port()], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["wrapped"].startswith("FSDP") and r["patched"] > 10 and r["patched_equal"], r
+    assert r["same_logits"] and r["same_logps"] and r["grads"], r
+
+
+@pytest.mark.slow
+def test_two_process_run_logs_each_step_once_with_gathered_mismatch(tiny_dirs, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": str(tiny_dirs["qwen3"]), "task": {"name": "synthetic-add", "num_prompts": 64, "max_operand": 9},
+        "numerics": {"regions": "all"}, "steps": 3, "prompts_per_step": 4, "num_generations": 4,
+        "learning_rate": 1.0e-3, "max_prompt_length": 32, "max_completion_length": 6, "checkpoint_every": 3,
+        "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16}}))
+    out = tmp_path / "run"
+    proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
+                   "-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=900)
+    assert proc.returncode == 0, tail(proc)
+    assert "rpa train rank 1" in proc.stderr  # two processes ran
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]  # rank 0 alone writes, once per step
+    for r in records:  # the mismatch covers both ranks' completions: 16 per step, not one rank's 8
+        assert r["mismatch/tokens"] == pytest.approx(16 * r["completions/mean_length"]), r
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 3
+    assert proc.stdout.count("rpa train: 3 steps") == 1
