@@ -144,3 +144,28 @@ def test_unsupported_rope_scaling_is_refused(tiny_dirs):
 def test_bad_region_name_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="unknown region"):
         align_model(load(tiny_dirs["qwen3"]), "rope,attention")
+
+
+def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
+    """The table is built on the CPU whatever the default device (vLLM builds its layers under
+    the GPU's), by one function on both sides: the plugin's layer and the trainer hold the
+    same bits. (On an H200: trainer table on cuda == plugin build, while building on CUDA
+    would differ in ~19% of entries: results/reference/gpu/gpu_checks.json.)"""
+    from rpa import numerics
+    from rpa.trainer import rope_table
+    from rpa.vllm_plugin import _make_layers
+
+    with torch.device("meta"):  # a non-CPU default device: an unforced build would have no values
+        table = numerics.rope_table(10000.0, 32, 1024)
+    assert table.device.type == "cpu" and torch.equal(table, numerics.rope_table(10000.0, 32, 1024))
+    model = load(tiny_dirs["qwen3"])
+    with align_model(model, "rope"):
+        trainer = model.model.rotary_emb.rpa_cos_sin_bits.view(torch.float32)
+        assert torch.equal(trainer, rope_table(model.config))
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    plugin_cls = _make_layers()["rope"][1]
+    with set_current_vllm_config(VllmConfig()):
+        layer = plugin_cls(head_size=32, rotary_dim=32, max_position_embeddings=model.config.max_position_embeddings,
+                           base=model.config.rope_parameters["rope_theta"], is_neox_style=True, dtype=torch.bfloat16)
+    assert torch.equal(layer.rpa_cos_sin, trainer)
