@@ -43,9 +43,10 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 def _numerics(args: argparse.Namespace):
     from rpa.numerics_config import NumericsConfig
 
+    dose = None if args.sampler_mantissa_bits is None else {"mantissa_bits": args.sampler_mantissa_bits}
     return NumericsConfig.from_dict({"regions": args.regions, "precision": args.precision,
                                      "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode,
-                                     "device": args.device})
+                                     "device": args.device, "sampler_perturbation": dose})
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -74,6 +75,9 @@ def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-mode", choices=TRAINER_MODES, default="compute",
                         help="compute: parameters at the precision (FSDP-style, the study's baseline); "
                              "autocast: FP32 parameters under torch.autocast (TRL default)")
+    parser.add_argument("--sampler-mantissa-bits", type=int, metavar="K",
+                        help="PERTURBATION (positive control, never the method): round the sampler's region "
+                             "outputs to K of BF16's 7 mantissa bits; the trainer is untouched")
     _add_device_arg(parser)
 
 
@@ -114,6 +118,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] else "no collapse"
     print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
           f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {args.out}")
+    return 0
+
+
+def _cmd_warm_start(args: argparse.Namespace) -> int:
+    from rpa.inputs import check_model
+    from rpa.train_config import TrainConfig
+
+    cfg = TrainConfig.from_yaml(args.config)
+    check_model(cfg.model)
+    from rpa.grpo import run_warm_start
+
+    info = run_warm_start(cfg, args.out)
+    losses = info.get("warm_start_losses") or [float("nan")]
+    print(f"rpa warm-start: {len(info.get('warm_start_losses', []))} supervised steps, final loss {losses[-1]:.3g} "
+          f"-> {args.out}")
     return 0
 
 
@@ -175,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="run config YAML (see experiments/train/)")
     train.add_argument("--out", required=True, help="run directory (resumes from its last checkpoint)")
     train.set_defaults(func=_cmd_train)
+
+    warm = sub.add_parser("warm-start", help="only the supervised warm start of a run config, as a shared "
+                                             "starting checkpoint")
+    warm.add_argument("--config", required=True, help="run config YAML (model, task, warm_start, seed)")
+    warm.add_argument("--out", required=True, help="output model directory")
+    warm.set_defaults(func=_cmd_warm_start)
     return parser
 
 

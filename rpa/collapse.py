@@ -2,8 +2,9 @@
 
 Definition (DESIGN.md): a run has collapsed at the first step where its smoothed reward
 falls below ``drop_fraction`` of its running best and never recovers above that level
-again, or where its loss / grad norm is non-finite, or where its grad norm spikes above
-``spike_factor`` times its running median. All thresholds are data
+again -- for at least ``min_steps_after_drop`` logged steps: a drop in the last steps of a
+run is ``unconfirmed``, not a collapse -- or where its loss / grad norm is non-finite, or
+where its grad norm spikes above ``spike_factor`` times its running median. All thresholds are data
 (:class:`CollapseThresholds`, set in the run config), none live in the code.
 """
 
@@ -28,10 +29,13 @@ class CollapseThresholds:
     """Collapse when the grad norm exceeds this multiple of its running median..."""
     spike_warmup_steps: int = 5
     """...measured over at least this many earlier steps."""
+    min_steps_after_drop: int = 5
+    """A reward drop is a collapse only if the run logged this many steps from the drop on
+    (the drop step included); a later drop is reported as unconfirmed."""
 
     def __post_init__(self) -> None:
-        if self.smoothing_window < 1 or self.spike_warmup_steps < 1:
-            raise ValueError("smoothing_window and spike_warmup_steps must be >= 1")
+        if self.smoothing_window < 1 or self.spike_warmup_steps < 1 or self.min_steps_after_drop < 1:
+            raise ValueError("smoothing_window, spike_warmup_steps and min_steps_after_drop must be >= 1")
         if not 0 < self.drop_fraction < 1:
             raise ValueError(f"drop_fraction must be in (0, 1), got {self.drop_fraction}")
         if self.spike_factor <= 1:
@@ -78,10 +82,14 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
     best = np.maximum.accumulate(smoothed)
     low = (best >= thresholds.min_best_reward) & (smoothed < thresholds.drop_fraction * best)
     # first step from which the smoothed reward stays below the drop level of the best so far
+    unconfirmed = None
     for i in np.flatnonzero(low):
         if low[i:].all():
-            candidates.append((int(i), f"smoothed reward {smoothed[i]:.3g} < {thresholds.drop_fraction} x "
-                                       f"best {best[i]:.3g} and no recovery"))
+            if len(records) - i >= thresholds.min_steps_after_drop:
+                candidates.append((int(i), f"smoothed reward {smoothed[i]:.3g} < {thresholds.drop_fraction} x "
+                                           f"best {best[i]:.3g} and no recovery"))
+            else:
+                unconfirmed = steps[int(i)]
             break
 
     first = min(candidates, default=None)
@@ -89,6 +97,8 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
     auc = float(np.trapezoid(valid) / max(valid.size - 1, 1)) if valid.size > 1 else float(valid.sum())
     return {
         "collapsed": first is not None,
+        "verdict": "collapsed" if first is not None else "unconfirmed" if unconfirmed is not None else "stable",
+        "unconfirmed_drop_step": None if first is not None else unconfirmed,
         "collapse_step": None if first is None else steps[first[0]],
         "collapse_reason": None if first is None else first[1],
         "peak_reward": float(np.nanmax(finite)) if np.isfinite(finite).any() else None,

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from rpa.regions import REGIONS, format_regions, parse_regions
-from rpa.vllm_plugin import ENV_VAR
+from rpa.vllm_plugin import ENV_VAR, PERTURB_ENV
 
 
 class PluginNotActiveError(RuntimeError):
@@ -50,8 +50,9 @@ def stop_capture(llm) -> list[dict[str, Any]]:
     return [call for calls in llm.collective_rpc(_worker_stop_capture) for call in calls]
 
 
-def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
-    """Fail closed unless every worker aligns exactly ``regions`` in every matching layer."""
+def verify_plugin(llm, regions: frozenset[str], perturbation: int | None = None) -> list[dict[str, Any]]:
+    """Fail closed unless every worker aligns exactly ``regions`` in every matching layer and
+    perturbs the sampler exactly as requested (``perturbation``: mantissa bits, or None)."""
     from rpa.ops import backend_report
 
     statuses = worker_status(llm)
@@ -66,6 +67,13 @@ def verify_plugin(llm, regions: frozenset[str]) -> list[dict[str, Any]]:
         if st["regions"] != want:
             problems.append(f"{where}: plugin aligns {st['regions']!r}, requested {want!r} "
                             f"(the region set is fixed per process; start a new one)")
+        if st.get("perturbation") != perturbation:
+            problems.append(f"{where}: sampler perturbation {st.get('perturbation')!r}, requested {perturbation!r}")
+        perturbed = st.get("perturbed_layers", {})
+        if perturbation is not None and any(not perturbed.get(r) for r in REGIONS):
+            problems.append(f"{where}: the dose reached only {perturbed} of the three regions' layers")
+        if perturbation is None and perturbed:
+            problems.append(f"{where}: layers {perturbed} are perturbed although no dose was requested")
         if st.get("kernels") != kernels:
             problems.append(f"{where}: kernel backend {st.get('kernels')} differs from this process's {kernels} "
                             f"(both sides must run the same kernels; set RPA_KERNELS alike)")
@@ -86,7 +94,7 @@ CACHE_BASE_ENV = "RPA_VLLM_CACHE_BASE"
 ``VLLM_CACHE_ROOT`` at a per-configuration subdirectory of it."""
 
 
-def compile_cache_key(regions: frozenset[str]) -> str:
+def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) -> str:
     """What vLLM's compile-cache key lacks: the region set and the kernel backend.
 
     vLLM (torch >= 2.10) caches compiled graphs under ``VLLM_CACHE_ROOT`` keyed by its
@@ -97,18 +105,26 @@ def compile_cache_key(regions: frozenset[str]) -> str:
     from rpa.ops import backend_report
 
     kernels = backend_report()
-    return f"rpa-{format_regions(regions).replace(',', '+')}-kernels-{kernels['cuda'] or kernels['cpu']}"
+    dose = "" if perturbation is None else f"-perturb-mantissa{perturbation}"
+    return f"rpa-{format_regions(regions).replace(',', '+')}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
 
 
-def make_llm_env(regions: frozenset[str], *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
-    """Set the environment a vLLM engine started after this call in this process reads:
-    the plugin's region set, the compile-cache root of that region set
-    (:func:`compile_cache_key`), in-process or multiprocess engine core, CPU KV-cache size."""
+def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
+    """Set the environment a vLLM engine started after this call in this process reads, for a
+    :class:`~rpa.numerics_config.NumericsConfig` (or a bare region set): the plugin's region
+    set and sampler perturbation, their compile-cache root (:func:`compile_cache_key`),
+    in-process or multiprocess engine core, CPU KV-cache size."""
+    from rpa.numerics_config import NumericsConfig
+
+    if not isinstance(numerics, NumericsConfig):
+        numerics = NumericsConfig(regions=numerics)
+    regions, bits = numerics.regions, numerics.mantissa_bits
     os.environ[ENV_VAR] = format_regions(regions)
+    os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
     if not os.environ.get(CACHE_BASE_ENV):
         default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
         os.environ[CACHE_BASE_ENV] = os.environ.get("VLLM_CACHE_ROOT", default)
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions))
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions, bits))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     # collective_rpc ships the status/capture callables to the engine process by pickle.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -133,15 +149,16 @@ def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: 
     want = format_regions(regions)
     from rpa import vllm_plugin
 
-    if vllm_plugin._STATE["loaded"] and format_regions(vllm_plugin._STATE["regions"]) != want:
+    loaded = (format_regions(vllm_plugin._STATE["regions"]), vllm_plugin._STATE["perturbation"])
+    if vllm_plugin._STATE["loaded"] and loaded != (want, numerics.mantissa_bits):
         raise PluginNotActiveError(
-            f"this process already loaded the rpa plugin with regions "
-            f"{format_regions(vllm_plugin._STATE['regions'])!r}; {want!r} needs a new process"
+            f"this process already loaded the rpa plugin with regions {loaded[0]!r} and sampler perturbation "
+            f"{loaded[1]!r}; {want!r} / {numerics.mantissa_bits!r} needs a new process"
         )
-    make_llm_env(regions, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
+    make_llm_env(numerics, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
     from vllm import LLM
 
     llm = LLM(model=model, enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
               **{**numerics.vllm_kwargs(), **llm_kwargs})
-    verify_plugin(llm, regions)
+    verify_plugin(llm, regions, numerics.mantissa_bits)
     return llm

@@ -25,6 +25,7 @@ What :class:`RpaGRPOTrainer` adds to TRL, through subclassing:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -134,23 +135,84 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
     return info
 
 
+def run_warm_start(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
+    """``rpa warm-start``: only the supervised warm start of ``cfg``, written as a BF16
+    checkpoint that several runs can start from (``model: DIR``, ``warm_start.steps: 0``), so a
+    grid's cells share one starting point. Does nothing when ``out_dir`` already holds it."""
+    from transformers import AutoTokenizer
+
+    from rpa.tasks import build_task
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        _log(f"{out} already holds a warm-started model; nothing to do")
+        return json.loads((out / "rpa_init.json").read_text())
+    rows, dropped = filter_prompts(build_task(cfg.task).rows, AutoTokenizer.from_pretrained(cfg.model),
+                                   cfg.max_prompt_length)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _log(f"warm start: {cfg.warm_start.steps} steps on {len(rows)} prompts ({dropped} too long) -> {out}")
+    return prepare_init_model(cfg, rows, out)
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
-def check_sync_result(gap: float, tolerance: float, mu: list[float], previous_mu: list[float] | None,
-                      step: int) -> None:
-    """Classify a post-sync check: within tolerance passes; otherwise vLLM logprobs that did not
-    change since the previous check mean stale weights (:class:`WeightSyncError`), changed ones
-    mean the engines diverged (:class:`EngineDivergence`). At the start (no previous) a gap is
-    a mismatch of the two engines' starting weights (:class:`WeightSyncError`)."""
-    if math.isfinite(gap) and gap <= tolerance:
-        return
+def check_sync_result(gap: float, tolerance: float, abort_gap: float, mu: list[float],
+                      previous_mu: list[float] | None, step: int, dosed: bool = False, updated: bool = True) -> bool:
+    """Classify a post-sync check; returns whether the gap is over ``tolerance``.
+
+    * not finite, or over ``abort_gap``: the run has blown up (:class:`EngineDivergence`, a
+      collapse; the run stops);
+    * over ``tolerance`` with vLLM's own logprobs unchanged since the previous check although
+      the trainer has ``updated`` its weights since: vLLM still serves old weights
+      (:class:`WeightSyncError`; the run stops);
+    * over ``tolerance`` at the start: the two engines did not load the same weights
+      (:class:`WeightSyncError`), unless the sampler is dosed on purpose (``dosed``);
+    * otherwise over ``tolerance``: the sampler and trainer disagree more than the tolerance --
+      the mismatch under study, recorded (``sync/over_tolerance``), not an error.
+    """
     where = (f"after the weight sync at step {step}, vLLM's logprobs of the probe sequence differ from the "
-             f"trainer's by mean |dlogp| = {gap:.4g} > tolerance {tolerance}")
-    if previous_mu is None or previous_mu == mu:
-        raise WeightSyncError(f"{where}, and vLLM's own logprobs did not change: vLLM is not serving the trained "
-                              f"weights")
-    raise EngineDivergence(f"{where}; vLLM did take new weights: the engines diverged")
+             f"trainer's by mean |dlogp| = {gap:.4g}")
+    if not math.isfinite(gap) or gap > abort_gap:
+        raise EngineDivergence(f"{where} > abort_gap {abort_gap}: the engines diverged (blow-up)")
+    if gap <= tolerance:
+        return False
+    if previous_mu is not None and previous_mu == mu and updated:
+        raise WeightSyncError(f"{where} > tolerance {tolerance}, and vLLM's own logprobs did not change: vLLM is "
+                              f"not serving the trained weights")
+    if previous_mu is None and not dosed:
+        raise WeightSyncError(f"{where} > tolerance {tolerance} before any update: the engines did not start "
+                              f"from the same weights")
+    return True
+
+
+def phantom_clipped(trainer_logps, sampler_logps, advantages, epsilon_low: float, epsilon_high: float):
+    """Per token: does PPO's clip bind on the first update after a sync, before the policy has
+    moved, when the old log-probabilities are the sampler's? The ratio is then pi/mu at equal
+    weights -- the mismatch alone -- and the clipped branch is taken where the advantage
+    pushes past the clip: ratio > 1 + eps_high with A > 0, or < 1 - eps_low with A < 0."""
+    import torch
+
+    ratio = torch.exp(trainer_logps - sampler_logps)
+    adv = advantages if advantages.dim() == ratio.dim() else advantages.unsqueeze(-1)
+    return ((ratio > 1 + epsilon_high) & (adv > 0)) | ((ratio < 1 - epsilon_low) & (adv < 0))
+
+
+@contextlib.contextmanager
+def _colocated_llm_dtype(dtype: str):
+    """TRL 1.16 builds its colocated ``vllm.LLM`` without a dtype, so vLLM's ``auto`` decides:
+    FP32 checkpoints are downcast and FP16 falls back to BF16 where the platform prefers it.
+    While TRL builds the engine, the ``LLM`` it calls gets the configuration's dtype."""
+    import functools
+
+    import trl.generation.vllm_generation as generation
+
+    stock = generation.LLM
+    generation.LLM = functools.partial(stock, dtype=dtype)
+    try:
+        yield
+    finally:
+        generation.LLM = stock
 
 
 def _make_trainer_class():
@@ -168,7 +230,8 @@ def _make_trainer_class():
         def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], **kwargs):
             self.rpa_config = rpa_config
             self.rpa_probe_ids = probe_ids
-            super().__init__(*args, **kwargs)
+            with _colocated_llm_dtype(rpa_config.numerics.dtype_name):
+                super().__init__(*args, **kwargs)
             from rpa.engine import verify_plugin
 
             if self.ref_model is not None:
@@ -178,7 +241,7 @@ def _make_trainer_class():
                 self.rpa_ref_alignment = rpa_config.numerics.align(self.accelerator.unwrap_model(self.ref_model))
 
             llm = self.vllm_generation.llm
-            verify_plugin(llm, rpa_config.numerics.regions)
+            verify_plugin(llm, rpa_config.numerics.regions, rpa_config.numerics.mantissa_bits)
             self._check_engine_dtypes(llm)
             if not torch.cuda.is_available():
                 self.vllm_generation.sync_weights = self._sync_weights_reload
@@ -186,7 +249,7 @@ def _make_trainer_class():
 
             def sync_and_check():
                 stock_sync()
-                verify_plugin(llm, rpa_config.numerics.regions)  # the reload kept the aligned modules
+                verify_plugin(llm, rpa_config.numerics.regions, rpa_config.numerics.mantissa_bits)  # still aligned
                 self.check_sync()
 
             self.vllm_generation.sync_weights = sync_and_check
@@ -214,17 +277,17 @@ def _make_trainer_class():
             gen.llm.reset_prefix_cache()
 
         def check_sync(self) -> float:
-            """Mean |dlogp| of vLLM vs the trainer on the probe sequence.
-
-            Past tolerance: if vLLM's probe logprobs did not change since the previous check,
-            it still serves old weights (:class:`WeightSyncError`); if they did, the engines
-            have diverged numerically (:class:`EngineDivergence`, a collapse).
-            """
+            """Mean |dlogp| of vLLM vs the trainer on the probe sequence, classified by
+            :func:`check_sync_result` (stale weights and blow-ups stop the run)."""
             with self.autocast_smart_context_manager():
                 gap, mu = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
             step = self.state.global_step if getattr(self, "state", None) is not None else 0
             previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
-            check_sync_result(gap, self.rpa_config.sync_check.tolerance, mu, previous, step)
+            previous_step, self.rpa_prev_check_step = getattr(self, "rpa_prev_check_step", None), step
+            check = self.rpa_config.sync_check
+            self.rpa_sync_over_tolerance = check_sync_result(
+                gap, check.tolerance, check.abort_gap, mu, previous, step,
+                dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=step != previous_step)
             self.rpa_last_sync_gap = gap
             return gap
 
@@ -239,7 +302,34 @@ def _make_trainer_class():
                                                          chunk_tokens=self.rpa_config.logprob_chunk_tokens)
             return logps, entropy, None
 
+        def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
+            """Greedy completions of the held-out prompts by the sampler at the current weights:
+            mean reward and accuracy, appended to ``eval.jsonl`` (rank 0)."""
+            if not self.rpa_eval_rows or not self.accelerator.is_main_process:
+                return None
+            from vllm import SamplingParams
+
+            task, rows = self.rpa_task, self.rpa_eval_rows
+            params = SamplingParams(temperature=0.0, max_tokens=self.rpa_config.max_completion_length)
+            outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+            texts = [o.outputs[0].text for o in outs]
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
+                                  completion_ids=ids)
+            record = {"step": step, "eval/reward": float(np.mean(rewards)),
+                      "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i)
+                                                      for t, r, i in zip(texts, rows, ids)])),
+                      "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
+            with open(self.rpa_eval_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            self.rpa_last_eval_step = step
+            return record
+
         def _generate_and_score_completions(self, inputs):
+            step = self.state.global_step
+            every = self.rpa_config.eval_every
+            if every and step % every == 0 and step != getattr(self, "rpa_last_eval_step", None):
+                self.rpa_evaluate(step)  # the sampler holds the weights of this step (synced at the last one)
             out = super()._generate_and_score_completions(inputs)
             sampling = out.get("sampling_per_token_logps")
             if sampling is None:
@@ -254,16 +344,22 @@ def _make_trainer_class():
                         batch_size=self.args.per_device_train_batch_size)
             keep = out["completion_mask"].bool()
             rows = keep.nonzero(as_tuple=True)[0] + self.accelerator.process_index * keep.size(0)
+            clipped = phantom_clipped(trainer, sampling, out["advantages"], self.epsilon_low, self.epsilon_high)[keep]
             # every rank's tokens: the metrics are over the step's completions, not one rank's share
-            local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist())
+            local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist(),
+                     clipped.cpu().tolist())
             parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
             m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                                  np.concatenate([p[2] for p in parts]))
+            m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
             mode = "train" if self.model.training else "eval"
             for key, value in m.items():
                 if key != "sequences":
                     self._metrics[mode][f"mismatch/{key}"].append(value)
             self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
+            self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
+            if self.rpa_config.old_logprobs == "sampler":  # as asynchronous GRPO trainers do: PPO's old = mu
+                out["old_per_token_logps"] = sampling
             return out
 
     return RpaGRPOTrainer
@@ -436,8 +532,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     from rpa.engine import make_llm_env
     from rpa.tasks import build_task
 
-    rows, reward_fn = build_task(cfg.task)
-    rows, dropped = filter_prompts(rows, AutoTokenizer.from_pretrained(cfg.model), cfg.max_prompt_length)
+    task = build_task(cfg.task)
+    source_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    rows, dropped = filter_prompts(task.rows, source_tokenizer, cfg.max_prompt_length)
+    eval_rows, _ = filter_prompts(task.eval_rows, source_tokenizer, cfg.max_prompt_length)
     if dropped:
         _log(f"dropped {dropped} prompt(s) longer than max_prompt_length={cfg.max_prompt_length} tokens")
     if not rows:
@@ -461,7 +559,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     resume = latest_checkpoint(out)
     resume_step = int(resume.name.split("-")[-1]) if resume else 0
+    eval_path = out / "eval.jsonl"
     kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps)) if main else 0
+    if main and resume_step < cfg.steps:  # an evaluation at step k runs when step k + 1 starts
+        truncate_metrics(eval_path, resume_step - 1)
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
     error, model, trainer, described = None, None, None, None
@@ -469,7 +570,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         _log(f"{resume.name} holds all {cfg.steps} steps; writing the summary without training")
         described = {"note": f"summary written from {resume.name}; no training in this invocation"}
     else:
-        make_llm_env(cfg.numerics.regions, multiprocess=False)
+        make_llm_env(cfg.numerics, multiprocess=False)
         _claim_rendezvous_port()
         tokenizer = AutoTokenizer.from_pretrained(init_dir)
         model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
@@ -478,12 +579,16 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
         probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
         trainer_cls = _make_trainer_class()
-        trainer = trainer_cls(model=model, reward_funcs=reward_fn, args=_grpo_args(cfg, out),
+        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=_grpo_args(cfg, out),
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                               callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
                               rpa_config=cfg, probe_ids=probe)
+        trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
         try:
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+            if cfg.eval_every and eval_rows and getattr(trainer, "rpa_last_eval_step", None) != cfg.steps:
+                trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
+                trainer.rpa_evaluate(cfg.steps)
         except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
             error = err
     if not main:
@@ -498,6 +603,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         cause = "non-finite weights" if nonfinite_weights else "sampler/trainer divergence"
         verdict.update(collapsed=True, collapse_step=trainer.state.global_step,
                        collapse_reason=f"{cause}; run stopped: {error}")
+    evals = read_metrics(eval_path)
+    if evals:
+        verdict.update(final_eval_accuracy=evals[-1]["eval/accuracy"], final_eval_reward=evals[-1]["eval/reward"],
+                       final_eval_step=evals[-1]["step"])
     summary = {"schema": SUMMARY_SCHEMA, **verdict,
                "status": "ok" if error is None else ("collapsed" if blew_up else "error"),
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,

@@ -132,3 +132,26 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tu
     d_x = rstd * (dy_w - x_hat * (dy_w * x_hat).mean(-1, keepdim=True))
     d_w = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0)
     return d_x.to(x.dtype), d_w.to(weight.dtype)  # one rounding each
+
+
+# ------------------------------------------------- a dose of mismatch (sampler only)
+
+
+def round_mantissa(x: Tensor, bits: int) -> Tensor:
+    """``x`` (BF16) rounded to ``bits`` explicit mantissa bits (BF16 has 7), to nearest even.
+
+    Not part of the method: the positive control's *perturbation* of the sampler, a rounding
+    error of the same kind as the mismatch under study, only larger. Integer arithmetic on
+    the bit pattern, so it is exact and the same eager or compiled.
+    """
+    if x.dtype != torch.bfloat16 or not 0 <= bits < 7:
+        raise ValueError(f"round_mantissa rounds BF16 to 0..6 explicit mantissa bits; got {x.dtype}, {bits}")
+    drop = 7 - bits
+    raw = x.contiguous().view(torch.int16).to(torch.int32)
+    magnitude = raw & 0x7FFF
+    keep_lsb = (magnitude >> drop) & 1
+    rounded = (magnitude + (1 << (drop - 1)) - 1 + keep_lsb) & ~((1 << drop) - 1)
+    finite = magnitude < 0x7F80  # inf/nan pass through
+    magnitude = torch.where(finite, torch.clamp(rounded, max=0x7F80), magnitude)
+    out = (raw & 0x8000) | magnitude
+    return out.to(torch.int16).view(torch.bfloat16).view(x.shape)  # the perturbation's one rounding

@@ -30,7 +30,8 @@ PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "fl
 
 TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
 
-KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device")
+KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation")
+PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -48,6 +49,11 @@ class NumericsConfig:
     """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
     vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
     one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
+    sampler_perturbation: tuple[tuple[str, int], ...] | None = None
+    """The positive control's dose, on the sampler only (never part of the method):
+    ``{mantissa_bits: k}`` rounds the sampler's outputs of the three regions (RMSNorm,
+    SwiGLU, RoPE q/k) to ``k`` of BF16's 7 explicit mantissa bits
+    (:func:`rpa.numerics.round_mantissa`), on top of the region set. ``None``: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
@@ -65,6 +71,14 @@ class NumericsConfig:
                 raise NumericsConfigError("lm_head_fp32 is redundant with precision fp32")
             if self.trainer_mode == "autocast":
                 raise NumericsConfigError("trainer_mode autocast needs a 16-bit precision (fp32 has nothing to autocast to)")
+        if self.sampler_perturbation is not None:
+            spec = dict(self.sampler_perturbation)
+            if set(spec) != set(PERTURBATION_KEYS) or not isinstance(spec["mantissa_bits"], int) \
+                    or not 0 <= spec["mantissa_bits"] <= 6:
+                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: 0..6}} "
+                                          f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
+            if self.precision != "bf16":
+                raise NumericsConfigError("sampler_perturbation rounds BF16 values: it needs precision bf16")
         if self.precision == "fp16" and self.regions:
             raise NumericsConfigError("the aligned regions implement the BF16 contract; precision fp16 is a "
                                       "comparison point with stock numerics (regions: none)")
@@ -79,11 +93,29 @@ class NumericsConfig:
             regions = parse_regions(data.pop("regions", None))
         except RegionError as err:
             raise NumericsConfigError(str(err)) from None
-        return cls(regions=regions, **data)
+        perturbation = data.pop("sampler_perturbation", None)
+        if perturbation is not None:
+            if not isinstance(perturbation, dict):
+                raise NumericsConfigError(f"sampler_perturbation must be a mapping like {{mantissa_bits: 4}}, "
+                                          f"got {perturbation!r}")
+            perturbation = tuple(sorted(perturbation.items()))
+        return cls(regions=regions, sampler_perturbation=perturbation, **data)
 
     def to_dict(self) -> dict[str, Any]:
         return {"regions": format_regions(self.regions), "precision": self.precision,
-                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device}
+                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
+                "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation)}
+
+    @property
+    def perturbation_label(self) -> str:
+        """``perturb-mantissa4`` (file and table names carry the word), or ``""`` when off."""
+        if self.sampler_perturbation is None:
+            return ""
+        return f"perturb-mantissa{dict(self.sampler_perturbation)['mantissa_bits']}"
+
+    @property
+    def mantissa_bits(self) -> int | None:
+        return None if self.sampler_perturbation is None else dict(self.sampler_perturbation)["mantissa_bits"]
 
     @property
     def dtype_name(self) -> str:

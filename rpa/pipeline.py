@@ -67,6 +67,8 @@ def check_config(config: dict[str, Any]) -> None:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
     if config.get("train"):
         problems += _train_problems(config)
+    if config.get("dose"):
+        problems += _dose_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
 
@@ -133,4 +135,73 @@ def _train_problems(config: dict[str, Any]) -> list[str]:
             TrainConfig.from_dict(p["config"])
         except TrainConfigError as err:
             problems.append(f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']}): {err}")
+    return problems
+
+
+# ------------------------------------------------------------------ the dose-response grid
+
+
+def dose_label(dose) -> str:
+    """Directory / table name of a dose: ``bf16-none`` (no dose) or ``perturb-mantissa<K>``."""
+    return "bf16-none" if dose in (None, "none") else f"perturb-mantissa{int(dose)}"
+
+
+def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell of the positive control: ``cell`` (its directory under ``dose/``), ``arm``
+    (dose or anchor label), ``dose`` (mantissa bits or None), ``is_correction``,
+    ``old_logprobs``, ``seed`` and the full run config."""
+    import yaml
+
+    dose = config["dose"]
+    base = yaml.safe_load(open(dose["base"]))
+    model = f"{config['results']}/dose/init"
+    common = {**base, "model": model, "warm_start": {**(base.get("warm_start") or {}), "steps": 0}}
+    arms = [(dose_label(d), None if d in (None, "none") else int(d),
+             {**(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
+              **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})},
+             dose["is_corrections"]) for d in dose["doses"]]
+    arms += [(name, None, numerics, ["off"]) for name, numerics in (dose.get("anchors") or {}).items()]
+    points = []
+    for arm, bits, numerics, corrections in arms:
+        for correction in corrections:
+            for old in dose["old_logprobs"]:
+                for seed in dose["seeds"]:
+                    run = {**common, "seed": seed, "numerics": numerics, "is_correction": correction,
+                           "old_logprobs": old}
+                    points.append({"cell": f"{arm}/{correction}-{old}/seed{seed}", "arm": arm, "dose": bits,
+                                   "is_correction": correction, "old_logprobs": old, "seed": seed, "config": run})
+    return points
+
+
+def dose_init_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The run config whose warm start every cell shares (``rpa warm-start``)."""
+    import yaml
+
+    dose = config["dose"]
+    base = yaml.safe_load(open(dose["base"]))
+    spec = config["models"][dose["model"]]
+    model = f"{config['results']}/models/{dose['model']}" if "tiny" in spec else spec["path"]
+    return {**base, "model": model}
+
+
+def _dose_problems(config: dict[str, Any]) -> list[str]:
+    from rpa.train_config import TrainConfig, TrainConfigError
+
+    dose = config["dose"]
+    if dose["model"] not in config.get("models", {}):
+        return [f"dose.model: {dose['model']!r} is not a name in models"]
+    try:
+        points = dose_points(config)
+        TrainConfig.from_dict(dose_init_config(config))
+    except (OSError, TrainConfigError, ValueError) as err:
+        return [f"dose: {err}"]
+    problems = []
+    for p in points:
+        try:
+            TrainConfig.from_dict(p["config"])
+        except TrainConfigError as err:
+            problems.append(f"dose cell {p['cell']}: {err}")
+    cells = [p["cell"] for p in points]
+    if len(set(cells)) != len(cells):
+        problems.append("dose: two cells share a directory (a dose repeated, or an anchor named like a dose)")
     return problems

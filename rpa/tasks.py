@@ -1,8 +1,15 @@
-"""GRPO tasks: prompts with verifiable answers and their reward functions.
+"""GRPO tasks: prompts with verifiable answers, their reward functions and accuracy.
 
 * ``synthetic-add``: "What is a + b? Answer:" with small integers, checked exactly. Offline,
   and learnable by a tiny model on CPU after a short supervised warm start
   (:func:`warm_start`), so the reward starts above zero.
+* ``count``: "count from a by k:" -> the next ``length`` numbers mod 100, written out (two tokens
+  each with the tiny tokenizer: ~64 completion tokens at length 32), so per-token mismatch
+  can accumulate over a long completion. Reward: the share of the ``length`` positions right;
+  accuracy: all of them right.
+* ``eos-sanity``: the check TRL's maintainers used for the trainer-generator mismatch: the
+  reward falls with the completion's length (1 / tokens), so the best policy ends at once
+  and any correct pipeline converges within a handful of steps. Accuracy: ending at once.
 * ``gsm8k`` / ``math``: loaded with ``datasets.load_dataset`` from a hub id or a local
   path / data files (GSM8K: ``question`` + ``answer`` ending in ``#### N``; MATH:
   ``problem`` + ``solution`` with ``\\boxed{...}``), answers checked with ``math-verify``.
@@ -21,7 +28,8 @@ from typing import Any, Callable
 
 from rpa.errors import UserError, looks_like_hub_id
 
-TASKS = ("synthetic-add", "gsm8k", "math")
+TASKS = ("synthetic-add", "count", "eos-sanity", "gsm8k", "math")
+SYNTHETIC = ("synthetic-add", "count", "eos-sanity")
 DATA_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """``datasets`` builder names that read local ``data_files``."""
 
@@ -42,16 +50,22 @@ class TaskSpec:
     num_prompts: int = 256
     max_operand: int = 9
     """synthetic-add: operands are drawn from 0..max_operand."""
+    length: int = 32
+    """count: numbers per answer."""
+    eval_prompts: int = 0
+    """Held-out prompts scored every ``eval_every`` steps of a run (0: no evaluation);
+    synthetic tasks draw them with another seed, datasets take them from ``eval_split``."""
+    eval_split: str = "test"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
             raise TaskError(f"unknown task {self.name!r}; valid: {', '.join(TASKS)}")
-        if self.name != "synthetic-add" and not self.path:
+        if self.name not in SYNTHETIC and not self.path:
             raise TaskError(f"task {self.name!r} needs path (hub id such as 'openai/gsm8k', a local directory, "
                             f"or 'json' with data_files)")
-        if self.num_prompts < 1 or self.max_operand < 1:
-            raise TaskError("num_prompts and max_operand must be >= 1")
+        if self.num_prompts < 1 or self.max_operand < 1 or self.length < 1 or self.eval_prompts < 0:
+            raise TaskError("num_prompts, max_operand and length must be >= 1, eval_prompts >= 0")
         if self.path:
             self._check_path()
 
@@ -91,6 +105,57 @@ def _text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
+COUNT_STEPS = (1, 2, 3)
+COUNT_HELD_OUT = 0.2
+"""Share of the (start, step) pairs of ``count`` kept for evaluation only."""
+
+
+def count_rows(n: int, length: int, seed: int, held_out: bool = False) -> list[dict[str, str]]:
+    """``n`` prompts "count from a by k:" -> the next ``length`` numbers a + k, a + 2k, ... mod
+    100. The 300 (a, k) pairs are split once (by ``seed``) into training and held-out pairs."""
+    pairs = [(a, k) for a in range(100) for k in COUNT_STEPS]
+    random.Random(seed).shuffle(pairs)
+    cut = int(len(pairs) * COUNT_HELD_OUT)
+    pool = pairs[:cut] if held_out else pairs[cut:]
+    rng = random.Random(seed + (1 if held_out else 0))
+    rows = []
+    for _ in range(n):
+        start, step = rng.choice(pool)
+        rows.append({"prompt": f"count from {start} by {step}:",
+                     "answer": " ".join(str((start + step * i) % 100) for i in range(1, length + 1))})
+    return rows
+
+
+_INTS = re.compile(r"-?\d+")
+
+
+def count_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """Share of the answer's positions where the completion has the right number."""
+    out = []
+    for completion, gold in zip(completions, answer):
+        want, got = gold.split(), _INTS.findall(_text(completion))
+        out.append(sum(a == b for a, b in zip(got, want)) / len(want))
+    return out
+
+
+def count_correct(completion, gold: str, completion_ids=None) -> bool:
+    return _INTS.findall(_text(completion)) == gold.split()
+
+
+def eos_sanity_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """1 / (completion tokens): 1.0 for a completion that ends at once."""
+    return [1.0 / max(len(ids), 1) for ids in completion_ids]
+
+
+def eos_sanity_correct(completion, gold: str, completion_ids=None) -> bool:
+    return completion_ids is not None and len(completion_ids) <= 1
+
+
+def exact_int_correct(completion, gold: str, completion_ids=None) -> bool:
+    match = _FIRST_INT.search(_text(completion))
+    return match is not None and match.group() == str(gold).strip()
+
+
 def exact_int_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the first integer in the completion equals the answer."""
     out = []
@@ -110,6 +175,10 @@ def gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
+def math_verify_correct(completion, gold: str, completion_ids=None) -> bool:
+    return math_verify_reward(None, [completion], [gold])[0] == 1.0
+
+
 def math_verify_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when ``math_verify.verify`` accepts the completion's answer against the gold one."""
     from math_verify import parse, verify
@@ -127,10 +196,11 @@ def math_verify_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
-def _load_rows(spec: TaskSpec, question_key: str, answer_key: str) -> list[dict[str, Any]]:
+def _load_rows(spec: TaskSpec, question_key: str, answer_key: str, split: str | None = None,
+               count: int | None = None) -> list[dict[str, Any]]:
     import datasets
 
-    kwargs: dict[str, Any] = {"split": spec.split}
+    kwargs: dict[str, Any] = {"split": split or spec.split}
     if spec.data_files:
         kwargs["data_files"] = spec.data_files
     data = datasets.load_dataset(spec.path, spec.subset, **kwargs)
@@ -139,17 +209,43 @@ def _load_rows(spec: TaskSpec, question_key: str, answer_key: str) -> list[dict[
         raise TaskError(f"dataset {spec.path!r} lacks column(s) {sorted(missing)}; has {data.column_names}")
     if len(data) == 0:
         raise TaskError(f"dataset {spec.path!r} split {spec.split!r} is empty")
-    data = data.shuffle(seed=spec.seed).select(range(min(spec.num_prompts, len(data))))
+    data = data.shuffle(seed=spec.seed).select(range(min(count or spec.num_prompts, len(data))))
     return [{question_key: r[question_key], answer_key: r[answer_key]} for r in data]
 
 
-def build_task(spec: TaskSpec) -> tuple[list[dict[str, str]], Callable]:
-    """``(rows, reward_fn)``; each row has ``prompt`` and ``answer``."""
+@dataclass(frozen=True)
+class Task:
+    """Rows (``prompt``, ``answer``) to train on, held-out rows to evaluate on, TRL's reward
+    function and a per-completion accuracy ``correct(completion, answer, completion_ids)``."""
+
+    rows: list[dict[str, str]]
+    eval_rows: list[dict[str, str]]
+    reward: Callable
+    correct: Callable
+
+
+def build_task(spec: TaskSpec) -> Task:
+    """The task ``spec`` names; ``eval_rows`` is empty unless ``spec.eval_prompts``."""
+    held_out = spec.seed + 100_003  # another stream of the same generator: prompts not trained on
     if spec.name == "synthetic-add":
-        return synthetic_add_rows(spec.num_prompts, spec.max_operand, spec.seed), exact_int_reward
+        return Task(synthetic_add_rows(spec.num_prompts, spec.max_operand, spec.seed),
+                    synthetic_add_rows(spec.eval_prompts, spec.max_operand, held_out), exact_int_reward,
+                    exact_int_correct)
+    if spec.name in ("count", "eos-sanity"):
+        reward, correct = (count_reward, count_correct) if spec.name == "count" else \
+            (eos_sanity_reward, eos_sanity_correct)
+        return Task(count_rows(spec.num_prompts, spec.length, spec.seed),
+                    count_rows(spec.eval_prompts, spec.length, spec.seed, held_out=True), reward, correct)
     if spec.name == "gsm8k":
-        rows = _load_rows(spec, "question", "answer")
-        return [{"prompt": f"{r['question']}\nAnswer:", "answer": gsm8k_gold(r["answer"])} for r in rows], \
-            math_verify_reward
-    rows = _load_rows(spec, "problem", "solution")
-    return [{"prompt": f"{r['problem']}\nAnswer:", "answer": r["solution"]} for r in rows], math_verify_reward
+        def gsm8k(rows):
+            return [{"prompt": f"{r['question']}\nAnswer:", "answer": gsm8k_gold(r["answer"])} for r in rows]
+
+        evals = _load_rows(spec, "question", "answer", spec.eval_split, spec.eval_prompts) if spec.eval_prompts else []
+        return Task(gsm8k(_load_rows(spec, "question", "answer")), gsm8k(evals), math_verify_reward,
+                    math_verify_correct)
+
+    def math(rows):
+        return [{"prompt": f"{r['problem']}\nAnswer:", "answer": r["solution"]} for r in rows]
+
+    evals = _load_rows(spec, "problem", "solution", spec.eval_split, spec.eval_prompts) if spec.eval_prompts else []
+    return Task(math(_load_rows(spec, "problem", "solution")), math(evals), math_verify_reward, math_verify_correct)

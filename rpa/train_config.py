@@ -21,6 +21,9 @@ IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_t
 """Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
 
 
+OLD_LOGPROBS = ("trainer", "sampler")
+
+
 class TrainConfigError(UserError):
     """An invalid run config (the message names the key)."""
 
@@ -36,10 +39,13 @@ class WarmStart:
 
 @dataclass(frozen=True)
 class SyncCheck:
-    """After every weight sync: vLLM's logprobs of a fixed probe sequence must be within
-    ``tolerance`` (mean |dlogp|) of the trainer's at the new weights."""
+    """After every weight sync vLLM and the trainer score a fixed probe sequence. Over
+    ``tolerance`` (mean |dlogp|) with vLLM's logprobs unchanged means stale weights (the run
+    stops); otherwise it is recorded (``sync/over_tolerance``). Over ``abort_gap`` (or not
+    finite) the engines have blown apart: the run stops as a collapse."""
 
     tolerance: float = 0.05
+    abort_gap: float = 5.0
     probe_tokens: int = 32
 
 
@@ -71,6 +77,13 @@ class TrainConfig:
     """Tokens per LM-head + log-softmax chunk when the trainer scores completions
     (:func:`rpa.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at once."""
     checkpoint_every: int = 20
+    eval_every: int = 0
+    """Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) every this many
+    steps and after the last one, into ``eval.jsonl`` (0: never)."""
+    old_logprobs: str = "trainer"
+    """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
+    ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
+    them: the mismatch reaches the clip -- "phantom clipping")."""
     warm_start: WarmStart = field(default_factory=WarmStart)
     sync_check: SyncCheck = field(default_factory=SyncCheck)
     collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
@@ -95,13 +108,16 @@ class TrainConfig:
             raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
         if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:
             raise TrainConfigError("learning_rate > 0, beta >= 0, temperature > 0 and is_cap > 1 are required")
-        if self.numerics.precision == "fp32":
-            raise TrainConfigError("numerics: precision fp32 cannot run in training: TRL's colocated vLLM uses dtype "
-                                   "'auto', which downcasts float32 checkpoints (the FP32 floor is a probe point)")
         if self.warm_start.steps < 0:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
             raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
+        if self.eval_every < 0:
+            raise TrainConfigError("eval_every: must be >= 0")
+        if self.eval_every and not self.task.eval_prompts:
+            raise TrainConfigError("eval_every: needs task.eval_prompts > 0")
         if self.vllm_tensor_parallel_size < 1:
             raise TrainConfigError("vllm_tensor_parallel_size: must be >= 1")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:

@@ -36,8 +36,12 @@ from rpa.regions import format_regions, parse_regions
 
 ENV_VAR = "RPA_REGIONS"
 """Environment variable read by the plugin: ``none`` | ``all`` | ``rope,swiglu,rmsnorm`` subset."""
+PERTURB_ENV = "RPA_SAMPLER_PERTURBATION"
+"""The positive control's dose (sampler only): unset/``none``, or ``mantissa_bits=K`` to round
+the outputs of the three regions' layers to K mantissa bits (:func:`rpa.numerics.round_mantissa`)."""
 
-_STATE: dict[str, Any] = {"loaded": False, "regions": frozenset(), "registered": {}, "error": None}
+_STATE: dict[str, Any] = {"loaded": False, "regions": frozenset(), "perturbation": None, "registered": {},
+                          "error": None}
 _CALLS: Counter = Counter()
 _CAPTURE: list[dict[str, Any]] | None = None
 _OPS: dict[str, Any] = {}
@@ -183,6 +187,38 @@ def _make_layers() -> dict[str, type]:
             "rope": (RotaryEmbedding, RpaRotaryEmbedding)}
 
 
+def parse_perturbation(spec: str | None) -> int | None:
+    """``mantissa_bits=K`` -> K; unset, empty or ``none`` -> None."""
+    if spec is None or spec.strip().lower() in ("", "none"):
+        return None
+    key, _, value = spec.partition("=")
+    if key.strip() != "mantissa_bits" or not value.strip().isdigit() or not 0 <= int(value) <= 6:
+        raise ValueError(f"{PERTURB_ENV}={spec!r}: expected 'mantissa_bits=K' with K in 0..6, or 'none'")
+    return int(value)
+
+
+def _round_region_outputs(region: str, out, bits: int):
+    """The dose: the layer's region output(s) rounded to ``bits`` mantissa bits (RMSNorm's
+    normed output, not the residual it passes on; SwiGLU's product; RoPE's q and k)."""
+    if region == "rmsnorm":
+        return (numerics.round_mantissa(out[0], bits), out[1]) if isinstance(out, tuple) else \
+            numerics.round_mantissa(out, bits)
+    if region == "rope":
+        query, key = out
+        return numerics.round_mantissa(query, bits), None if key is None else numerics.round_mantissa(key, bits)
+    return numerics.round_mantissa(out, bits)
+
+
+def _perturbed(base: type, region: str, bits: int) -> type:
+    """``base`` (vLLM's stock layer or rpa's aligned one) with its outputs rounded to ``bits``."""
+
+    def forward(self, *args, **kwargs):
+        return _round_region_outputs(region, base.forward(self, *args, **kwargs), bits)
+
+    return type(f"Perturbed{base.__name__}", (base,), {"forward": forward, "rpa_perturbation": bits,
+                                                       "__doc__": f"{base.__name__} + sampler dose ({bits} bits)"})
+
+
 # ----------------------------------------------------------------- entry point
 
 
@@ -198,21 +234,29 @@ def register() -> None:
     except ValueError as err:
         _STATE["error"] = str(err)
         raise
-    _STATE["regions"] = regions
-    if not regions:
+    try:
+        bits = parse_perturbation(os.environ.get(PERTURB_ENV))
+    except ValueError as err:
+        _STATE["error"] = str(err)
+        raise
+    _STATE["regions"], _STATE["perturbation"] = regions, bits
+    if not regions and bits is None:
         return
     from vllm.model_executor.custom_op import op_registry_oot
 
     for region, (stock, aligned) in _make_layers().items():
-        if region not in regions:
+        layer = aligned if region in regions else stock
+        if bits is not None:
+            layer = _perturbed(layer, region, bits)
+        elif region not in regions:
             continue
-        if stock.__name__ in op_registry_oot and op_registry_oot[stock.__name__] is not aligned:
+        if stock.__name__ in op_registry_oot:
             raise RuntimeError(
                 f"another plugin already replaced vLLM's {stock.__name__} "
-                f"({op_registry_oot[stock.__name__]!r}); rpa cannot align region {region!r}"
+                f"({op_registry_oot[stock.__name__]!r}); rpa cannot take region {region!r}"
             )
-        stock.register_oot(aligned)
-        _STATE["registered"][region] = aligned.__name__
+        stock.register_oot(layer)
+        _STATE["registered"][region] = layer.__name__
 
 
 def plugin_status(model: torch.nn.Module | None = None) -> dict[str, Any]:
@@ -222,6 +266,7 @@ def plugin_status(model: torch.nn.Module | None = None) -> dict[str, Any]:
         "env": os.environ.get(ENV_VAR),
         "loaded": _STATE["loaded"],
         "regions": format_regions(_STATE["regions"]),
+        "perturbation": _STATE["perturbation"],
         "registered": dict(_STATE["registered"]),
         "error": _STATE["error"],
         "calls": dict(_CALLS),
@@ -230,21 +275,22 @@ def plugin_status(model: torch.nn.Module | None = None) -> dict[str, Any]:
     if model is not None:
         aligned: Counter = Counter()
         stock: Counter = Counter()
+        perturbed: Counter = Counter()
         from vllm.model_executor.layers.activation import SiluAndMul
         from vllm.model_executor.layers.layernorm import RMSNorm
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
         kinds = {"rmsnorm": RMSNorm, "swiglu": SiluAndMul, "rope": RotaryEmbeddingBase}
         for module in model.modules():
-            region = getattr(module, "rpa_region", None)
-            if region is not None:
-                aligned[region] += 1
-                continue
             for kind, cls in kinds.items():
-                if isinstance(module, cls):
-                    stock[kind] += 1
+                if not isinstance(module, cls):
+                    continue
+                (aligned if getattr(module, "rpa_region", None) == kind else stock)[kind] += 1
+                if getattr(module, "rpa_perturbation", None) is not None:
+                    perturbed[kind] += 1
         status["aligned_layers"] = dict(aligned)
         status["stock_layers"] = dict(stock)
+        status["perturbed_layers"] = dict(perturbed)
     return status
 
 

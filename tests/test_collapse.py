@@ -37,6 +37,17 @@ def test_rise_then_permanent_drop_collapses_at_the_drop():
     assert v["final_reward"] == pytest.approx(0.05)
 
 
+def test_drop_in_the_last_steps_is_unconfirmed_not_collapse():
+    """The persistence window: a drop must hold for min_steps_after_drop logged steps."""
+    rewards = [0.6] * 30 + [0.05] * 3
+    t = CollapseThresholds(smoothing_window=1, min_steps_after_drop=5)
+    v = collapse_verdict(log(rewards), t)
+    assert not v["collapsed"] and v["verdict"] == "unconfirmed" and v["unconfirmed_drop_step"] == 31
+    longer = collapse_verdict(log(rewards + [0.05] * 2), t)
+    assert longer["collapsed"] and longer["verdict"] == "collapsed" and longer["collapse_step"] == 31
+    assert collapse_verdict(log([0.6] * 33), t)["verdict"] == "stable"
+
+
 def test_temporary_dip_that_recovers_is_not_collapse():
     rewards = [0.6] * 10 + [0.05] * 4 + [0.6] * 10
     assert not collapse_verdict(log(rewards), CollapseThresholds(smoothing_window=2))["collapsed"]

@@ -10,7 +10,6 @@ import json
 import socket
 
 import pytest
-import torch
 import yaml
 
 from tests.conftest import run_py, tail

@@ -8,19 +8,22 @@ from rpa.tasks import TaskError, TaskSpec, build_task, exact_int_reward, gsm8k_g
 
 
 def test_synthetic_add_rows_and_reward():
-    rows, reward = build_task(TaskSpec(num_prompts=20, max_operand=9, seed=3))
+    task = build_task(TaskSpec(num_prompts=20, max_operand=9, seed=3))
+    rows, reward = task.rows, task.reward
     assert len(rows) == 20 and reward is exact_int_reward
     a, b = (int(x) for x in rows[0]["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
     assert rows[0]["answer"] == str(a + b)
     assert reward(None, [" 12 and more", "x", " 7", "-3"], ["12", "12", "8", "-3"]) == [1.0, 0.0, 0.0, 1.0]
-    assert build_task(TaskSpec(num_prompts=20, seed=3))[0] == rows  # deterministic in the seed
+    assert build_task(TaskSpec(num_prompts=20, seed=3)).rows == rows  # deterministic in the seed
+    assert task.eval_rows == [] and task.correct(" 7", "7") and not task.correct(" 17", "7")
 
 
 def test_gsm8k_from_local_jsonl(tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"Q{i}: 2 + {i}?", "answer": f"work...\n#### {2 + i:,}"})
                               for i in range(1000, 1005)) + "\n")
-    rows, reward = build_task(TaskSpec(name="gsm8k", path="json", data_files=str(data), num_prompts=3))
+    task = build_task(TaskSpec(name="gsm8k", path="json", data_files=str(data), num_prompts=3))
+    rows, reward = task.rows, task.reward
     assert len(rows) == 3 and all(r["prompt"].endswith("\nAnswer:") for r in rows)
     gold = rows[0]["answer"]
     assert "," not in gold and int(gold) in range(1002, 1007)
@@ -30,7 +33,8 @@ def test_gsm8k_from_local_jsonl(tmp_path):
 def test_math_from_local_directory_uses_math_verify(tmp_path):
     (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "Half of 1?",
                                                       "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n")
-    rows, reward = build_task(TaskSpec(name="math", path=str(tmp_path), num_prompts=5))
+    task = build_task(TaskSpec(name="math", path=str(tmp_path), num_prompts=5))
+    rows, reward = task.rows, task.reward
     assert len(rows) == 1 and reward is math_verify_reward
     assert reward(None, ["so the result is $\\boxed{0.5}$", "$\\boxed{2}$"], [rows[0]["answer"]] * 2) == [1.0, 0.0]
 
@@ -45,3 +49,24 @@ def test_bad_task_inputs_are_refused(tmp_path):
         build_task(TaskSpec(name="gsm8k", path="json", data_files=str(tmp_path / "x.jsonl")))
     with pytest.raises(TaskError, match="####"):
         gsm8k_gold("no marker")
+
+
+def test_count_task_long_answers_partial_reward_and_held_out_prompts():
+    task = build_task(TaskSpec(name="count", num_prompts=10, length=32, eval_prompts=5, seed=1))
+    row = task.rows[0]
+    start, step = (int(x) for x in row["prompt"].removeprefix("count from ").rstrip(":").split(" by "))
+    want = row["answer"].split()
+    assert len(want) == 32 and want[0] == str((start + step) % 100) and want[-1] == str((start + 32 * step) % 100)
+    half = " " + " ".join(want[:16] + ["0"] * 16)
+    assert task.reward(None, [" " + row["answer"], half, "no"], [row["answer"]] * 3) == [1.0, sum(
+        a == b for a, b in zip(want, want[:16] + ["0"] * 16)) / 32, 0.0]
+    assert task.correct(" " + row["answer"], row["answer"]) and not task.correct(half, row["answer"])
+    many = build_task(TaskSpec(name="count", num_prompts=500, eval_prompts=100, seed=1))
+    assert len(task.eval_rows) == 5
+    assert not {r["prompt"] for r in many.eval_rows} & {r["prompt"] for r in many.rows}  # held out
+
+
+def test_eos_sanity_rewards_ending_at_once():
+    task = build_task(TaskSpec(name="eos-sanity", num_prompts=4))
+    assert task.reward(None, ["", "a b", "x"], completion_ids=[[2], [5, 6, 2], [7] * 10]) == [1.0, 1 / 3, 0.1]
+    assert task.correct("", "", [2]) and not task.correct("a", "", [5, 2])

@@ -30,7 +30,6 @@ BASE = {
     ({"lr": 1}, "unknown key(s) lr"),
     ({"is_correction": "tis"}, "is_correction: 'tis'"),
     ({"numerics": {"regions": "all", "precision": "fp32"}}, "numerics: precision fp32"),
-    ({"numerics": {"precision": "fp32"}}, "downcasts float32"),
     ({"task": {"name": "gsm8k"}}, "task: task 'gsm8k' needs path"),
     ({"num_generations": 1}, "num_generations"),
     ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
@@ -139,13 +138,19 @@ print(json.dumps(res))
 def test_sync_check_classification():
     from rpa.grpo import EngineDivergence, WeightSyncError, check_sync_result
 
-    check_sync_result(0.01, 0.05, [-1.0, -2.0], [-1.5, -2.5], step=3)  # within tolerance
+    assert check_sync_result(0.01, 0.05, 5.0, [-1.0, -2.0], [-1.5, -2.5], step=3) is False  # within tolerance
     with pytest.raises(WeightSyncError, match="did not change"):  # stale: vLLM's logprobs are the old ones
-        check_sync_result(0.2, 0.05, [-1.0, -2.0], [-1.0, -2.0], step=3)
-    with pytest.raises(WeightSyncError):  # engines disagree from the start
-        check_sync_result(0.2, 0.05, [-1.0, -2.0], None, step=0)
-    with pytest.raises(EngineDivergence, match="diverged"):
-        check_sync_result(float("nan"), 0.05, [-1.0, -3.0], [-1.0, -2.0], step=7)
+        check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], [-1.0, -2.0], step=3)
+    with pytest.raises(WeightSyncError, match="same weights"):  # engines disagree from the start
+        check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], None, step=0)
+    assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], None, step=0, dosed=True) is True  # a dose, on purpose
+    assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7) is True  # the mismatch: recorded
+    # a dosed sampler re-checked before any update: same logprobs, not stale
+    assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], [-1.0, -2.0], step=0, dosed=True, updated=False) is True
+    with pytest.raises(EngineDivergence, match="blow-up"):
+        check_sync_result(float("nan"), 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7)
+    with pytest.raises(EngineDivergence, match="abort_gap"):
+        check_sync_result(9.0, 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7)
 
 
 @pytest.mark.slow
