@@ -1,7 +1,9 @@
 """Summaries of a GRPO grid: one row per run, per-group means, and reward / mismatch curves.
 
-Reads ``RESULTS/train/<setting>/<regions>/seed<N>/{summary.json,metrics.jsonl}``; writes a CSV
+Reads ``RESULTS/train/<model>/<setting>/<regions>/seed<N>/{summary.json,metrics.jsonl}``; writes a CSV
 (columns :data:`RUN_COLUMNS`), a Markdown table, and a figure of reward and mismatch vs step.
+Collapse verdicts are recomputed from each ``metrics.jsonl`` with the run's own thresholds, so
+the tables follow the current definition (e.g. the persistence window).
 """
 
 from __future__ import annotations
@@ -18,32 +20,40 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
+from rpa.collapse import CollapseThresholds, collapse_verdict  # noqa: E402
 
-RUN_COLUMNS = ("setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason", "peak_reward",
-               "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status", "wall_s")
+RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
+               "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status", "wall_s")
 
 
 def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     runs, curves = [], []
-    for path in sorted(results.glob("train/*/*/seed*/summary.json")):
+    for path in sorted(results.glob("train/*/*/*/seed*/summary.json")):
         s = json.loads(path.read_text())
-        setting, regions, seed = path.parts[-4], path.parts[-3], int(path.parts[-2].removeprefix("seed"))
+        model, setting, regions = path.parts[-5], path.parts[-4], path.parts[-3]
+        seed = int(path.parts[-2].removeprefix("seed"))
         metrics = pd.read_json(path.with_name("metrics.jsonl"), lines=True)
-        runs.append({"setting": setting, "regions": regions, "seed": seed, **{k: s.get(k) for k in RUN_COLUMNS[3:]},
+        records = [json.loads(line) for line in path.with_name("metrics.jsonl").read_text().splitlines() if line]
+        # the verdict under the current definition, with the run's own thresholds
+        verdict = collapse_verdict(records, CollapseThresholds(**s["config"]["collapse"])) if records else {}
+        if s.get("status") == "collapsed":  # stopped by a blow-up the metric log cannot show
+            verdict.update(collapsed=True, collapse_step=s.get("collapse_step"), collapse_reason=s.get("collapse_reason"))
+        runs.append({"model": model, "setting": setting, "regions": regions, "seed": seed,
+                     **{k: s.get(k) for k in RUN_COLUMNS[4:]}, **{k: v for k, v in verdict.items() if k in RUN_COLUMNS},
                      "mean_abs_dlogp": metrics["mismatch/mean_abs_dlogp"].mean(),
                      "kl_k3": metrics["mismatch/kl_k3"].mean(),
                      "frac_ratio_outside": metrics["mismatch/frac_ratio_outside"].mean()})
-        curves.append(metrics.assign(setting=setting, regions=regions, seed=seed))
+        curves.append(metrics.assign(model=model, setting=setting, regions=regions, seed=seed))
     if not runs:
         raise SystemExit(f"no runs under {results}/train")
     return pd.DataFrame(runs)[list(RUN_COLUMNS)], pd.concat(curves, ignore_index=True)
 
 
 def markdown(runs: pd.DataFrame) -> str:
-    cols = ["setting", "regions", "seed", "steps", "collapsed", "collapse_step", "peak_reward", "final_reward",
+    cols = ["model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "peak_reward", "final_reward",
             "reward_auc", "mean_abs_dlogp", "kl_k3", "wall_s"]
     per_run = runs[cols].to_markdown(index=False, floatfmt=".3g")
-    groups = runs.groupby(["setting", "regions"], sort=False).agg(
+    groups = runs.groupby(["model", "setting", "regions"], sort=False).agg(
         runs=("seed", "size"), collapsed=("collapsed", "sum"), final_reward=("final_reward", "mean"),
         reward_auc=("reward_auc", "mean"), mean_abs_dlogp=("mean_abs_dlogp", "mean")).reset_index()
     return ("### Per run\n\n" + per_run + "\n\n### Mean over seeds\n\n"
@@ -52,7 +62,7 @@ def markdown(runs: pd.DataFrame) -> str:
 
 def figure(curves: pd.DataFrame, path: Path, window: int = 5) -> None:
     curves = curves.sort_values("step").copy()
-    key = ["setting", "regions", "seed"]
+    key = ["model", "setting", "regions", "seed"]
     curves["reward (smoothed)"] = curves.groupby(key)["reward"].transform(lambda x: x.rolling(window, 1).mean())
     curves["mean |dlogp| (smoothed)"] = curves.groupby(key)["mismatch/mean_abs_dlogp"].transform(
         lambda x: x.rolling(window, 1).mean())

@@ -46,7 +46,9 @@ def _numerics(args: argparse.Namespace):
     dose = None if args.sampler_mantissa_bits is None else {"mantissa_bits": args.sampler_mantissa_bits}
     return NumericsConfig.from_dict({"regions": args.regions, "precision": args.precision,
                                      "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode,
-                                     "device": args.device, "sampler_perturbation": dose})
+                                     "device": args.device, "sampler_perturbation": dose,
+                                     "trainer_positions": args.trainer_positions,
+                                     "aligned_sides": args.aligned_sides})
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -66,7 +68,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
-    from rpa.numerics_config import PRECISIONS, TRAINER_MODES
+    from rpa.numerics_config import ALIGNED_SIDES, PRECISIONS, TRAINER_MODES, TRAINER_POSITIONS
 
     parser.add_argument("--regions", required=True, help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16",
@@ -75,6 +77,11 @@ def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-mode", choices=TRAINER_MODES, default="compute",
                         help="compute: parameters at the precision (FSDP-style, the study's baseline); "
                              "autocast: FP32 parameters under torch.autocast (TRL default)")
+    parser.add_argument("--trainer-positions", choices=TRAINER_POSITIONS, default="auto",
+                        help="trainer RoPE positions without position_ids: mask (as vLLM counts), stock (HF: shifted "
+                             "by left padding), auto (mask when rope is aligned)")
+    parser.add_argument("--aligned-sides", choices=ALIGNED_SIDES, default="both",
+                        help="which side applies --regions (a one-sided control: trainer or sampler only)")
     parser.add_argument("--sampler-mantissa-bits", type=int, metavar="K",
                         help="PERTURBATION (positive control, never the method): round the sampler's region "
                              "outputs to K of BF16's 7 mantissa bits; the trainer is untouched")

@@ -118,7 +118,7 @@ def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1)
 
     if not isinstance(numerics, NumericsConfig):
         numerics = NumericsConfig(regions=numerics)
-    regions, bits = numerics.regions, numerics.mantissa_bits
+    regions, bits = numerics.sampler_regions, numerics.mantissa_bits
     os.environ[ENV_VAR] = format_regions(regions)
     os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
     if not os.environ.get(CACHE_BASE_ENV):
@@ -145,7 +145,7 @@ def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: 
 
     if not isinstance(numerics, NumericsConfig):
         numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
-    regions = numerics.regions
+    regions = numerics.sampler_regions
     want = format_regions(regions)
     from rpa import vllm_plugin
 

@@ -241,7 +241,7 @@ def _make_trainer_class():
                 self.rpa_ref_alignment = rpa_config.numerics.align(self.accelerator.unwrap_model(self.ref_model))
 
             llm = self.vllm_generation.llm
-            verify_plugin(llm, rpa_config.numerics.regions, rpa_config.numerics.mantissa_bits)
+            verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
             self._check_engine_dtypes(llm)
             if not torch.cuda.is_available():
                 self.vllm_generation.sync_weights = self._sync_weights_reload
@@ -249,7 +249,7 @@ def _make_trainer_class():
 
             def sync_and_check():
                 stock_sync()
-                verify_plugin(llm, rpa_config.numerics.regions, rpa_config.numerics.mantissa_bits)  # still aligned
+                verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
                 self.check_sync()
 
             self.vllm_generation.sync_weights = sync_and_check

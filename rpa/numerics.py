@@ -144,8 +144,8 @@ def round_mantissa(x: Tensor, bits: int) -> Tensor:
     error of the same kind as the mismatch under study, only larger. Integer arithmetic on
     the bit pattern, so it is exact and the same eager or compiled.
     """
-    if x.dtype != torch.bfloat16 or not 0 <= bits < 7:
-        raise ValueError(f"round_mantissa rounds BF16 to 0..6 explicit mantissa bits; got {x.dtype}, {bits}")
+    if x.dtype != torch.bfloat16 or not 1 <= bits < 7:
+        raise ValueError(f"round_mantissa rounds BF16 to 1..6 explicit mantissa bits; got {x.dtype}, {bits}")
     drop = 7 - bits
     raw = x.contiguous().view(torch.int16).to(torch.int32)
     magnitude = raw & 0x7FFF

@@ -30,7 +30,10 @@ PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "fl
 
 TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
 
-KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation")
+KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation",
+                         "trainer_positions", "aligned_sides")
+TRAINER_POSITIONS: tuple[str, ...] = ("auto", "mask", "stock")
+ALIGNED_SIDES: tuple[str, ...] = ("both", "trainer", "sampler")
 PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -49,6 +52,13 @@ class NumericsConfig:
     """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
     vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
     one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
+    trainer_positions: str = "auto"
+    """RoPE positions of the trainer when a batch comes without ``position_ids`` (TRL's
+    left-padded layout): ``mask`` (counted from each row's first real token, as vLLM counts),
+    ``stock`` (HF's: shifted by the pad count), ``auto`` (``mask`` exactly when ``rope`` is
+    aligned). Independent of the regions, so a RoPE arm can measure rounding alone."""
+    aligned_sides: str = "both"
+    """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
     sampler_perturbation: tuple[tuple[str, int], ...] | None = None
     """The positive control's dose, on the sampler only (never part of the method):
     ``{mantissa_bits: k}`` rounds the sampler's outputs of the three regions (RMSNorm,
@@ -71,11 +81,18 @@ class NumericsConfig:
                 raise NumericsConfigError("lm_head_fp32 is redundant with precision fp32")
             if self.trainer_mode == "autocast":
                 raise NumericsConfigError("trainer_mode autocast needs a 16-bit precision (fp32 has nothing to autocast to)")
+        if self.trainer_positions not in TRAINER_POSITIONS:
+            raise NumericsConfigError(f"trainer_positions {self.trainer_positions!r} is not one of "
+                                      f"{', '.join(TRAINER_POSITIONS)}")
+        if self.aligned_sides not in ALIGNED_SIDES:
+            raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} is not one of {', '.join(ALIGNED_SIDES)}")
+        if self.aligned_sides != "both" and not self.regions:
+            raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} needs a region set to apply")
         if self.sampler_perturbation is not None:
             spec = dict(self.sampler_perturbation)
             if set(spec) != set(PERTURBATION_KEYS) or not isinstance(spec["mantissa_bits"], int) \
-                    or not 0 <= spec["mantissa_bits"] <= 6:
-                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: 0..6}} "
+                    or not 1 <= spec["mantissa_bits"] <= 6:
+                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: 1..6}} "
                                           f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
             if self.precision != "bf16":
                 raise NumericsConfigError("sampler_perturbation rounds BF16 values: it needs precision bf16")
@@ -104,7 +121,24 @@ class NumericsConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"regions": format_regions(self.regions), "precision": self.precision,
                 "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
-                "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation)}
+                "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation),
+                "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides}
+
+    @property
+    def trainer_regions(self) -> frozenset[str]:
+        """The regions the trainer patch aligns."""
+        return self.regions if self.aligned_sides in ("both", "trainer") else frozenset()
+
+    @property
+    def sampler_regions(self) -> frozenset[str]:
+        """The regions the vLLM plugin aligns."""
+        return self.regions if self.aligned_sides in ("both", "sampler") else frozenset()
+
+    @property
+    def positions_from_mask(self) -> bool:
+        if self.trainer_positions == "auto":
+            return "rope" in self.trainer_regions
+        return self.trainer_positions == "mask"
 
     @property
     def perturbation_label(self) -> str:
@@ -159,8 +193,8 @@ class NumericsConfig:
         from rpa.trainer import align_model
 
         autocast = self.trainer_mode == "autocast"
-        return align_model(model, self.regions, compute_dtype=None if autocast else self.torch_dtype(),
-                           lm_head_fp32=self.lm_head_fp32)
+        return align_model(model, self.trainer_regions, compute_dtype=None if autocast else self.torch_dtype(),
+                           lm_head_fp32=self.lm_head_fp32, positions_from_mask=self.positions_from_mask)
 
     def load_trainer_model(self, model: str, **kwargs):
         """The HF model for this configuration on :meth:`trainer_device`, with :meth:`align`

@@ -69,6 +69,8 @@ def check_config(config: dict[str, Any]) -> None:
         problems += _train_problems(config)
     if config.get("dose"):
         problems += _dose_problems(config)
+    if config.get("study"):
+        problems += _study_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
 
@@ -79,6 +81,12 @@ def numerics_flags(numerics: dict[str, Any]) -> str:
     flags = ["--regions", n["regions"], "--precision", n["precision"], "--trainer-mode", n["trainer_mode"]]
     if n["lm_head_fp32"]:
         flags.append("--lm-head-fp32")
+    if n["trainer_positions"] != "auto":
+        flags += ["--trainer-positions", n["trainer_positions"]]
+    if n["aligned_sides"] != "both":
+        flags += ["--aligned-sides", n["aligned_sides"]]
+    if n["sampler_perturbation"]:
+        flags += ["--sampler-mantissa-bits", str(n["sampler_perturbation"]["mantissa_bits"])]
     return shlex.join(flags)
 
 
@@ -101,21 +109,36 @@ def region_label(regions: str) -> str:
     return format_regions(parse_regions(regions)).replace(",", "+")
 
 
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` on top; nested mappings (``numerics``, ``task``, ...) merge
+    key by key, so a grid setting can change one numerics knob and keep the others."""
+    out = dict(base)
+    for key, value in (override or {}).items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def model_location(config: dict[str, Any], name: str) -> str:
+    """Where a model of ``models`` is loaded from: built here (``tiny``) or its ``path``."""
+    spec = config["models"][name]
+    return f"{config['results']}/models/{name}" if "tiny" in spec else spec["path"]
+
+
 def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every run of the GRPO grid: ``setting``, ``regions`` (label), ``seed`` and its full run config."""
+    """Every run of the GRPO grid: ``model``, ``setting``, ``regions`` (label), ``seed`` and its
+    full run config (base <- setting <- regions, merged key by key)."""
     import yaml
 
     train = config["train"]
     base = yaml.safe_load(open(train["base"]))
-    spec = config["models"][train["model"]]
-    model = f"{config['results']}/models/{train['model']}" if "tiny" in spec else spec["path"]
     points = []
     for setting, overrides in train["settings"].items():
         for regions in train["regions"]:
             for seed in train["seeds"]:
-                run = {**base, **overrides, "model": model, "seed": seed,
-                       "numerics": {**(base.get("numerics") or {}), "regions": regions}}
-                points.append({"setting": setting, "regions": region_label(regions), "seed": seed, "config": run})
+                run = deep_merge(deep_merge(base, overrides), {"numerics": {"regions": regions}})
+                run.update(model=model_location(config, train["model"]), seed=seed)
+                points.append({"model": train["model"], "setting": setting, "regions": region_label(regions),
+                               "seed": seed, "config": run})
     return points
 
 
@@ -179,9 +202,7 @@ def dose_init_config(config: dict[str, Any]) -> dict[str, Any]:
 
     dose = config["dose"]
     base = yaml.safe_load(open(dose["base"]))
-    spec = config["models"][dose["model"]]
-    model = f"{config['results']}/models/{dose['model']}" if "tiny" in spec else spec["path"]
-    return {**base, "model": model}
+    return {**base, "model": model_location(config, dose["model"])}
 
 
 def _dose_problems(config: dict[str, Any]) -> list[str]:
@@ -204,4 +225,77 @@ def _dose_problems(config: dict[str, Any]) -> list[str]:
     cells = [p["cell"] for p in points]
     if len(set(cells)) != len(cells):
         problems.append("dose: two cells share a directory (a dose repeated, or an anchor named like a dose)")
+    return problems
+
+
+# ------------------------------------------------------------------------------ the study
+
+
+def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell of the study: ``cell`` (``<model>/<arm>/seed<N>``, its directory under
+    ``study/``), ``model``, ``arm``, ``seed`` and the full run config: the base, then the
+    model's size settings, then the arm's overrides, merged key by key. Models with a shared
+    warm start (``warm_start.steps`` > 0) start from ``study/<model>/init``."""
+    import yaml
+
+    study = config["study"]
+    base = yaml.safe_load(open(study["base"]))
+    points = []
+    for model in study["models"]:
+        sized = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
+        shared_init = (sized.get("warm_start") or {}).get("steps", 0) > 0
+        for arm, overrides in study["arms"].items():
+            for seed in study["seeds"]:
+                run = deep_merge(sized, overrides or {})
+                run.update(seed=seed, model=f"{config['results']}/study/{model}/init" if shared_init
+                           else model_location(config, model))
+                if shared_init:
+                    run["warm_start"] = {**run["warm_start"], "steps": 0}
+                points.append({"cell": f"{model}/{arm}/seed{seed}", "model": model, "arm": arm, "seed": seed,
+                               "config": run})
+    return points
+
+
+def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The run config whose warm start the cells of ``model`` share, or None (no warm start)."""
+    import yaml
+
+    study = config["study"]
+    sized = deep_merge(yaml.safe_load(open(study["base"])), (study.get("sizes") or {}).get(model) or {})
+    if (sized.get("warm_start") or {}).get("steps", 0) <= 0:
+        return None
+    return {**sized, "model": model_location(config, model)}
+
+
+def study_resources(config: dict[str, Any], model: str) -> dict[str, Any]:
+    """Scheduler resources of one training run of ``model`` (``study.resources``, by size)."""
+    defaults = {"gpu": 0, "mem_mb": 8000, "runtime": 120, "cpus_per_task": 2, "launch": "single"}
+    return {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
+
+
+def _study_problems(config: dict[str, Any]) -> list[str]:
+    from rpa.train_config import TrainConfig, TrainConfigError
+
+    study = config["study"]
+    problems = [f"study.models: {m!r} is not a name in models" for m in study["models"]
+                if m not in config.get("models", {})]
+    problems += [f"study.sizes: {m!r} is not in study.models" for m in (study.get("sizes") or {})
+                 if m not in study["models"]]
+    problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
+                 if m not in study["models"]]
+    if problems:
+        return problems
+    try:
+        points = study_points(config)
+        for model in study["models"]:
+            init = study_init_config(config, model)
+            if init is not None:
+                TrainConfig.from_dict(init)
+    except (OSError, TrainConfigError, ValueError) as err:
+        return [f"study: {err}"]
+    for p in points:
+        try:
+            TrainConfig.from_dict(p["config"])
+        except TrainConfigError as err:
+            problems.append(f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']}): {err}")
     return problems

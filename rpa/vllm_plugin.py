@@ -192,8 +192,8 @@ def parse_perturbation(spec: str | None) -> int | None:
     if spec is None or spec.strip().lower() in ("", "none"):
         return None
     key, _, value = spec.partition("=")
-    if key.strip() != "mantissa_bits" or not value.strip().isdigit() or not 0 <= int(value) <= 6:
-        raise ValueError(f"{PERTURB_ENV}={spec!r}: expected 'mantissa_bits=K' with K in 0..6, or 'none'")
+    if key.strip() != "mantissa_bits" or not value.strip().isdigit() or not 1 <= int(value) <= 6:
+        raise ValueError(f"{PERTURB_ENV}={spec!r}: expected 'mantissa_bits=K' with K in 1..6, or 'none'")
     return int(value)
 
 

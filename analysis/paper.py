@@ -1,0 +1,148 @@
+"""The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper``.
+
+Writes ``claims.tex`` (the study's label, the commit the runs came from, and -- computed from
+the result tables -- which claims of the study reproduced at this scale) and, where the
+positive control ran, ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
+(searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
+TeX engine it says what to install and exits 1, after writing the generated parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.latex import booktabs, escape
+
+REPO = Path(__file__).resolve().parents[1]
+TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended "
+               "(Debian/Ubuntu), or any TeX Live with latexmk, pdflatex and booktabs")
+
+
+def _collapsed(cell: str) -> tuple[int, int] | None:
+    if not isinstance(cell, str) or "/" not in cell:
+        return None
+    k, n = cell.split("/")
+    return int(k), int(n)
+
+
+def collapse_claim(table: pd.DataFrame, arm: str, claim: str) -> str:
+    """One claim ('aligning <arm> prevents the BF16 baseline's collapse'), judged per model."""
+    verdicts = []
+    for model, rows in table.groupby("model", sort=False):
+        by = rows.set_index("arm")["collapsed"]
+        base, treated = _collapsed(by.get("none")), _collapsed(by.get(arm))
+        if base is None or treated is None:
+            verdicts.append((model, "missing", "runs missing"))
+        elif base[0] == 0:
+            verdicts.append((model, "untestable", f"the baseline did not collapse (0/{base[1]})"))
+        elif treated[0] == 0:
+            verdicts.append((model, "reproduced", f"baseline {base[0]}/{base[1]}, {arm} 0/{treated[1]}"))
+        elif treated[0] / treated[1] < base[0] / base[1]:
+            verdicts.append((model, "partly", f"baseline {base[0]}/{base[1]}, {arm} {treated[0]}/{treated[1]}"))
+        else:
+            verdicts.append((model, "not reproduced", f"baseline {base[0]}/{base[1]}, {arm} {treated[0]}/{treated[1]}"))
+    kinds = {v for _, v, _ in verdicts}
+    overall = ("reproduced" if kinds == {"reproduced"} else "could not be tested (no baseline collapsed)"
+               if kinds == {"untestable"} else "not reproduced" if kinds == {"not reproduced"} else "mixed")
+    detail = "; ".join(f"{m}: {why}" for m, _, why in verdicts)
+    return f"\\item \\textbf{{{escape(claim)}}} --- {overall}. {escape(detail)}."
+
+
+def mismatch_claim(table: pd.DataFrame, arm: str) -> str:
+    rows = table[(table["arm"] == arm) & table["probe_mean_abs_dlogp_change"].notna()]
+    if rows.empty:
+        return f"\\item No probe of {escape(arm)}."
+    parts = [f"{m}: {100 * c:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]" for m, c, lo, hi in
+             zip(rows["model"], rows["probe_mean_abs_dlogp_change"], rows["probe_mean_abs_dlogp_low"],
+                 rows["probe_mean_abs_dlogp_high"])]
+    below = (rows["probe_mean_abs_dlogp_high"] < 0).sum()
+    verdict = "lower on every model (interval below zero)" if below == len(rows) else \
+        f"lower with an interval below zero on {below} of {len(rows)} models"
+    return (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} (offline probe, identical "
+            f"tokens, change of mean $|\\Delta\\log p|$ vs none, paired bootstrap 95\\% interval): {verdict}. "
+            f"{escape('; '.join(parts))}.")
+
+
+def dose_parts(results: Path, out_dir: Path) -> str:
+    runs_path = results / "tables" / "dose_runs.csv"
+    if not runs_path.exists():
+        return ""
+    from analysis.dose import anchor_positions, groups, statement, thresholds
+
+    runs = pd.read_csv(runs_path)
+    per_group = groups(runs)
+    cols = ["arm", "is_correction", "old_logprobs", "runs", "collapsed", "mean_abs_dlogp", "phantom_clip_rate",
+            "final_reward"]
+    (out_dir / "dose_table.tex").write_text(booktabs(per_group[cols], "Positive control per arm (mean over seeds)",
+                                                     "tab:dose"))
+    lines = statement(thresholds(runs), anchor_positions(runs))
+    return "\\begin{itemize}" + "".join(f"\\item {escape(line.removeprefix('- '))}" for line in lines) + \
+        "\\end{itemize}"
+
+
+def commit_of(results: Path) -> str:
+    for path in sorted(results.glob("study/*/*/seed*/summary.json"))[:1]:
+        prov = json.loads(path.read_text()).get("provenance") or {}
+        commit = (prov.get("git_commit") or "unknown")[:10]
+        return commit + ("+dirty" if prov.get("git_dirty") else "")
+    return "unknown"
+
+
+def write_claims(results: Path, out_dir: Path) -> Path:
+    manifest = json.loads((results / "study" / "manifest.json").read_text())
+    collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
+    mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
+    items = [collapse_claim(collapse, "all", "Aligning all three regions prevents the BF16 baseline's collapse"),
+             collapse_claim(collapse, "rope", "RoPE alone suffices"),
+             mismatch_claim(mismatch, "all"), mismatch_claim(mismatch, "rope")]
+    dose = dose_parts(results, out_dir)
+    setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
+             f"{', '.join(map(str, manifest['seeds']))}.")
+    text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
+            f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
+            f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",
+            f"\\newcommand{{\\setupnote}}{{{escape(setup)}}}",
+            "\\newcommand{\\claims}{\\begin{itemize}" + "\n".join(items) + "\\end{itemize}}",
+            f"\\newcommand{{\\dosenote}}{{{dose}}}"]
+    path = out_dir / "claims.tex"
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def build(results: Path, out_dir: Path) -> int:
+    if not shutil.which("latexmk") or not shutil.which("pdflatex"):
+        print(f"analysis.paper: no TeX engine (latexmk + pdflatex) on PATH; the generated parts are in {out_dir}. "
+              f"Install: {TEX_INSTALL}", file=sys.stderr)
+        return 1
+    search = os.pathsep.join(str(p.resolve()) for p in (out_dir, results / "tables", results / "figures"))
+    env = {**os.environ, "TEXINPUTS": search + os.pathsep + os.environ.get("TEXINPUTS", "")}
+    proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
+                           f"-outdir={out_dir.resolve()}", str(REPO / "paper" / "main.tex")],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
+        return proc.returncode
+    print(f"analysis.paper: {out_dir / 'main.pdf'}")
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--out-dir", required=True, type=Path)
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_claims(args.results, args.out_dir)
+    sys.exit(build(args.results, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+# Stage: tables and figures of the probe grid and the diagnosis.
+
+
+rule aggregate:
+    input:
+        probe=probe_summaries(),
+        diagnose=diagnose_tables(),
+        parity=expand(f"{R}/parity/{{model}}.json", model=MODELS),
+    output:
+        csv=f"{R}/tables/probe.csv",
+        md=f"{R}/tables/probe.md",
+        diagnose=f"{R}/tables/diagnose.csv",
+    params:
+        configs=" ".join(CONFIGS),
+    log:
+        f"{R}/logs/aggregate.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.aggregate --results {R} --out-dir {R}/tables --configs {params.configs} > {log} 2>&1"
+
+
+rule figures:
+    input:
+        probe=f"{R}/tables/probe.csv",
+        diagnose=f"{R}/tables/diagnose.csv",
+        tokens=expand(f"{R}/probe/{{model}}/{{numerics}}/tokens.csv", model=MODELS,
+                      numerics=FIGURES["dlogp_vs_prob_configs"]),
+    output:
+        analysis_figures(),
+    params:
+        configs=" ".join(FIGURES["dlogp_vs_prob_configs"]) or "none",
+    log:
+        f"{R}/logs/figures.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.figures --results {R} --out-dir {R}/figures --format {FIGURES[format]} "
+        "--dlogp-configs {params.configs} > {log} 2>&1"

@@ -1,0 +1,66 @@
+# Shared values and input functions of every stage.
+
+import re
+
+from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, study_init_config,
+                          study_points, study_resources, tiny_flags, train_points)
+
+R = config["results"]
+MODELS = list(config["models"])
+PROBE = config["probe"]
+CONFIGS = list(PROBE["configs"])
+SAMPLER = PROBE["sampler"]
+DIAGNOSE = config["diagnose"]["configs"]
+FIGURES = config["figures"]
+ENV = f"envs/rpa-{config['env']}.yaml"
+DEVICE = config["device"]  # trainer side of parity / probe / diagnose
+GPU = config["gpus_per_job"]  # GPUs a parity / probe / diagnose job takes (0 on CPU)
+TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] for p in train_points(config)} \
+    if config.get("train") else {}
+DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose") else {}
+STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
+
+
+wildcard_constraints:
+    model="|".join(map(re.escape, MODELS)),
+    numerics="|".join(map(re.escape, CONFIGS)),
+
+
+def model_path(wildcards):
+    """Local directory or hub id that rpa commands load."""
+    return model_location(config, wildcards.model)
+
+
+def model_files(name):
+    """File dependency on a model built here (none for a path or hub id)."""
+    return [f"{R}/models/{name}/config.json"] if "tiny" in config["models"][name] else []
+
+
+def model_input(wildcards):
+    return model_files(wildcards.model)
+
+
+def gpu_launch(count):
+    """Prefix giving a job its own GPUs on a workstation (rpa.gpus); nothing on CPU."""
+    return f"python -m rpa.gpus --count {count} -- " if count else ""
+
+
+def slurm_gres(count):
+    """SLURM's GPU request for a job of ``count`` GPUs (empty on CPU)."""
+    return f"--gres=gpu:{count}" if count else ""
+
+
+def probe_summaries(wildcards=None):
+    return expand(f"{R}/probe/{{model}}/{{numerics}}/summary.json", model=MODELS, numerics=CONFIGS)
+
+
+def diagnose_tables(wildcards=None):
+    return expand(f"{R}/diagnose/{{model}}/{{numerics}}/layers.csv", model=MODELS, numerics=DIAGNOSE)
+
+
+def probe_tables(wildcards=None):
+    return [f"{R}/tables/probe.csv", f"{R}/tables/probe.md", f"{R}/tables/diagnose.csv"]
+
+
+def analysis_figures(wildcards=None):
+    return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=["mismatch", "dlogp_vs_prob", "layers"])

@@ -1,0 +1,56 @@
+# Stage: the probe grid. One configuration (the sampler) samples; every other configuration
+# scores those identical tokens.
+
+
+def probe_options():
+    lo, hi = PROBE["ratio_band"]
+    opts = (f"--prompts {PROBE['prompts']} --samples {PROBE['samples']} --max-tokens {PROBE['max_tokens']} "
+            f"--seed {PROBE['seed']} --full-kl-max-vocab {PROBE['full_kl_max_vocab']} --ratio-band {lo} {hi}")
+    return opts + (" --compiled" if PROBE["compiled"] else "")
+
+
+def probe_completions(wildcards):
+    """Every configuration but the sampler scores the sampler's completions."""
+    if wildcards.numerics == SAMPLER:
+        return []
+    return [f"{R}/probe/{wildcards.model}/{SAMPLER}/completions.jsonl"]
+
+
+rule probe:
+    input:
+        model=model_input,
+        parity=f"{R}/parity/{{model}}.json",
+        completions=probe_completions,
+    output:
+        summary=f"{R}/probe/{{model}}/{{numerics}}/summary.json",
+        tokens=f"{R}/probe/{{model}}/{{numerics}}/tokens.csv",
+    params:
+        model=model_path,
+        out=lambda wc: f"{R}/probe/{wc.model}/{wc.numerics}",
+        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
+        completions=lambda wc, input: f"--completions {input.completions[0]}" if input.completions else "",
+        options=probe_options(),
+        launch=gpu_launch(GPU),
+    log:
+        f"{R}/logs/probe/{{model}}/{{numerics}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=config["job_mem_mb"],
+        runtime=60,
+        gpu=GPU,
+        slurm_extra=slurm_gres(GPU),
+    shell:
+        "{params.launch}rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
+        "--out {params.out} > {log} 2>&1"
+
+
+# The sampler's own probe run samples the completions every other configuration scores.
+use rule probe as probe_sampler with:
+    output:
+        summary=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/summary.json",
+        tokens=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/tokens.csv",
+        completions=f"{R}/probe/{{model}}/{{numerics,{re.escape(SAMPLER)}}}/completions.jsonl",
+
+
+ruleorder: probe_sampler > probe

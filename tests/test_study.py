@@ -1,0 +1,168 @@
+"""The study and its grid machinery: expansion with overrides merged key by key, one run
+directory per cell, resources scaled by size on SLURM and on a workstation, the positions
+option, the GPU allocator, and the analysis on committed raw results."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rpa.pipeline import deep_merge, study_points, study_resources, train_points
+from tests.conftest import REPO, run_py, tail
+from tests.test_pipeline import DEFAULT, snakemake
+
+STUDY = yaml.safe_load((REPO / "experiments/study.yaml").read_text())
+STUDY_CPU = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+
+
+def test_overrides_merge_key_by_key_numerics_included():
+    assert deep_merge({"numerics": {"regions": "none", "precision": "bf16"}, "steps": 3},
+                      {"numerics": {"precision": "fp16"}}) == {"numerics": {"regions": "none", "precision": "fp16"},
+                                                               "steps": 3}
+    config = {**DEFAULT, "train": {**DEFAULT["train"], "regions": ["none"], "seeds": [0],
+                                   "settings": {"half": {"numerics": {"precision": "fp16"}, "steps": 7}}}}
+    (point,) = train_points(config)
+    assert point["config"]["numerics"]["precision"] == "fp16"  # the old grid dropped it (came out bf16)
+    assert point["config"]["steps"] == 7 and point["model"] == "tiny-qwen3"
+
+
+@pytest.mark.parametrize("config", [STUDY, STUDY_CPU], ids=["gpu-study", "cpu-miniature"])
+def test_study_cells_are_unique_and_name_model_arm_seed(config):
+    points = study_points(config)
+    study = config["study"]
+    assert len(points) == len(study["models"]) * len(study["arms"]) * len(study["seeds"]) >= 4 * 12 * 3
+    assert len({p["cell"] for p in points}) == len(points)
+    for p in points:
+        assert p["cell"] == f"{p['model']}/{p['arm']}/seed{p['seed']}" and p["config"]["seed"] == p["seed"]
+    by = {(p["model"], p["arm"], p["seed"]): p["config"] for p in points}
+    m = study["models"][0]
+    assert by[(m, "none", 0)]["numerics"]["trainer_positions"] == "mask"  # the study's default
+    assert by[(m, "positions-stock", 0)]["numerics"]["trainer_positions"] == "stock"  # the shift alone
+    assert by[(m, "positions-stock", 0)]["numerics"]["regions"] == "none"
+    assert by[(m, "fp16", 0)]["numerics"]["precision"] == "fp16"
+    assert by[(m, "all-sampler-only", 0)]["numerics"]["aligned_sides"] == "sampler"
+    assert by[(m, "tis", 0)]["is_correction"] == "token_truncate"
+    arms = set(study["arms"])
+    assert {"none", "rope", "swiglu", "rmsnorm", "all", "fp16", "lm-head-fp32", "tis", "mis", "all-trainer-only",
+            "all-sampler-only", "positions-stock"} <= arms and len(study["seeds"]) >= 3
+
+
+def test_gpu_study_sizes_and_resources():
+    lr = {m: p["config"]["learning_rate"] for p in study_points(STUDY) for m in [p["model"]]}
+    assert len(set(lr.values())) > 1  # per-size settings reach the cells
+    small, large = study_resources(STUDY, "qwen3-0.6b"), study_resources(STUDY, "qwen3-8b")
+    assert small["gpu"] == 1 and small["launch"] == "single"
+    assert large["gpu"] > 1 and large["launch"] == "fsdp2" and large["mem_mb"] > small["mem_mb"]
+
+
+def _jobs(dry_run_output: str, rule: str) -> list[dict[str, str]]:
+    """(wildcards, resources) of each job of ``rule`` in a dry run's log."""
+    jobs, current = [], None
+    for line in dry_run_output.splitlines():
+        line = line.strip()
+        if line.startswith("rule ") or line.startswith("localrule "):
+            current = {"rule": line.split()[1].rstrip(":")}
+            jobs.append(current)
+        elif current is not None and line.startswith(("wildcards:", "resources:")):
+            key, _, value = line.partition(": ")
+            current[key] = value
+    return [j for j in jobs if j["rule"] == rule]
+
+
+def test_slurm_dry_run_lists_every_cell_once_with_gpu_resources(tmp_path):
+    proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/slurm",
+                     "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}")
+    assert proc.returncode == 0, tail(proc)
+    jobs = _jobs(proc.stdout + proc.stderr, "study_train")
+    cells = [j["wildcards"].removeprefix("cell=") for j in jobs]
+    assert sorted(cells) == sorted(p["cell"] for p in study_points(STUDY))  # every cell, exactly once
+    for j in jobs:
+        res = dict(kv.split("=", 1) for kv in j["resources"].split(", "))
+        model = j["wildcards"].removeprefix("cell=").split("/")[0]
+        want = study_resources(STUDY, model)
+        assert int(res["gpu"]) == want["gpu"] > 0 and res["slurm_extra"] == f"--gres=gpu:{want['gpu']}"
+        assert int(res["mem_mb"]) == want["mem_mb"] and int(res["runtime"]) == want["runtime"]
+        assert int(res["cpus_per_task"]) == want["cpus_per_task"]
+    probes = _jobs(proc.stdout + proc.stderr, "probe")
+    assert probes and all("gpu=1" in j["resources"] for j in probes)
+
+
+def test_workstation_dry_run_caps_gpus_and_gives_jobs_their_own(tmp_path):
+    proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/workstation", "--resources", "gpu=2",
+                     "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}",
+                     "--printshellcmds")
+    assert proc.returncode == 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    assert "python -m rpa.gpus --count 1 -- rpa train" in out
+    assert "python -m rpa.gpus --count 8 -- accelerate launch --config_file experiments/accelerate/fsdp2.yaml" in out
+
+
+def test_gpu_allocator_gives_concurrent_jobs_distinct_gpus(tmp_path):
+    """Three one-GPU jobs on two lent GPUs: two run at once on different GPUs (each waits until
+    both have started), the third waits for a free one."""
+    env = {**os.environ, "RPA_GPUS": "3,7", "RPA_GPU_LOCK_DIR": str(tmp_path / "locks")}
+    env.pop("SLURM_JOB_ID", None)
+    started = tmp_path / "started"
+    started.mkdir()
+    job = ("import os, time, pathlib; d = pathlib.Path(%r); gpu = os.environ['CUDA_VISIBLE_DEVICES']; "
+           "(d / f'{gpu}-{os.getpid()}').touch(); t = time.time()\n"
+           "while len(list(d.iterdir())) < 2 and time.time() - t < 60: time.sleep(0.1)\n"
+           "print(gpu, len(list(d.iterdir())))" % str(started))
+    cmd = [sys.executable, "-m", "rpa.gpus", "--count", "1", "--", sys.executable, "-c", job]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(3)]
+    outs = [p.communicate(timeout=180)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    gpus = sorted(o[0] for o in outs)
+    assert set(gpus) == {"3", "7"} and len(list(started.iterdir())) == 3
+    passthrough = subprocess.run([sys.executable, "-m", "rpa.gpus", "--count", "0", "--", "true"], env=env, cwd=REPO)
+    assert passthrough.returncode == 0
+
+
+def test_positions_are_an_independent_option(tiny_dirs):
+    """trainer_positions: mask removes TRL's left-padding shift without aligning RoPE rounding;
+    stock keeps the shift even with RoPE aligned."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rpa.numerics_config import NumericsConfig
+    from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    comps = [{"prompt_ids": torch.randint(3, 500, (p,), generator=g).tolist(),
+              "completion_ids": torch.randint(3, 500, (c,), generator=g).tolist()} for p, c in ((5, 9), (11, 3))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.bfloat16, attn_implementation="eager")
+    same = {}
+    for name, numerics in {"none-mask": {"regions": "none", "trainer_positions": "mask"},
+                           "none-stock": {"regions": "none", "trainer_positions": "stock"},
+                           "rope-stock": {"regions": "rope", "trainer_positions": "stock"},
+                           "rope-auto": {"regions": "rope"}}.items():
+        with NumericsConfig.from_dict(numerics).align(model):
+            single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
+            same[name] = single == trainer_batch_logprobs(model, comps, pad_id=0)
+    assert same == {"none-mask": True, "none-stock": False, "rope-stock": False, "rope-auto": True}
+
+
+REFERENCE = REPO / "results/reference/study-cpu"
+
+
+@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
+def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
+    import shutil
+
+    res = tmp_path / "r"
+    shutil.copytree(REFERENCE, res)
+    committed = (REFERENCE / "tables/study_collapse.csv").read_text()
+    for table in (res / "tables").glob("study_*"):
+        table.unlink()
+    proc = run_py(["-m", "analysis.study", "--results", str(res)])
+    assert proc.returncode == 0, tail(proc)
+    assert (res / "tables/study_collapse.csv").read_text() == committed
+    for name in ("rewards", "mismatch_curves", "heatmap"):
+        assert (res / f"figures/study_{name}.png").stat().st_size > 10_000
+    tex = (res / "tables/study_mismatch.tex").read_text()
+    assert "\\toprule" in tex and "\\bottomrule" in tex
