@@ -2,12 +2,9 @@
 directory per cell, resources scaled by size on SLURM and on a workstation, the positions
 option, the GPU allocator, and the analysis on committed raw results."""
 
-import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import yaml
