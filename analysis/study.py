@@ -53,6 +53,7 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
         metrics = _jsonl(run / "metrics.jsonl")
         if summary is not None:
             row["state"] = "failed" if summary.get("status") == "error" else "finished"
+            row["status"] = summary.get("status")
             row["error"] = summary.get("error")
         if summary is not None and metrics:
             cfg = json.loads((run / "config.json").read_text())

@@ -413,12 +413,14 @@ def lock_run_dir(out: Path):
 
 
 def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
-    """The summary of a run that has nothing left to do (all steps, or stopped by a collapse)."""
+    """The summary of a run that has nothing left to do: all steps, or stopped by a blow-up
+    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again."""
     path = out / "summary.json"
     if not path.exists():
         return None
     summary = json.loads(path.read_text())
-    if summary.get("status") == "collapsed" or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
+    stopped = summary.get("status") in ("collapsed", "diverged")
+    if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
         return summary
     return None
 
@@ -598,17 +600,20 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     records = read_metrics(metrics_path)
     nonfinite_weights = model is not None and any(not torch.isfinite(p).all() for p in model.parameters())
     verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
+    # a run stopped by non-finite weights has collapsed; one stopped because the two engines drifted
+    # apart (finite weights, probe gap past abort_gap) is "diverged": the mismatch under study, not
+    # an outcome -- its collapse verdict comes from its reward log like any other run's
+    diverged = error is not None and isinstance(error, EngineDivergence) and not nonfinite_weights
     blew_up = error is not None and (nonfinite_weights or isinstance(error, EngineDivergence))
-    if blew_up and not verdict.get("collapsed"):
-        cause = "non-finite weights" if nonfinite_weights else "sampler/trainer divergence"
-        verdict.update(collapsed=True, collapse_step=trainer.state.global_step,
-                       collapse_reason=f"{cause}; run stopped: {error}")
+    if nonfinite_weights and error is not None and not verdict.get("collapsed"):
+        verdict.update(collapsed=True, verdict="collapsed", collapse_step=trainer.state.global_step,
+                       collapse_reason=f"non-finite weights; run stopped: {error}")
     evals = read_metrics(eval_path)
     if evals:
         verdict.update(final_eval_accuracy=evals[-1]["eval/accuracy"], final_eval_reward=evals[-1]["eval/reward"],
                        final_eval_step=evals[-1]["step"])
     summary = {"schema": SUMMARY_SCHEMA, **verdict,
-               "status": "ok" if error is None else ("collapsed" if blew_up else "error"),
+               "status": "ok" if error is None else "diverged" if diverged else "collapsed" if blew_up else "error",
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
                "prompts_dropped_too_long": dropped, "provenance": started}

@@ -162,8 +162,12 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
     assert proc.returncode == 0, tail(proc)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["collapsed"] and summary["status"] in ("collapsed", "ok") and summary["collapse_step"] <= 4
-    assert summary["collapse_reason"]
+    # non-finite weights: a collapse; the engines drifting apart with finite weights: its own status
+    assert summary["status"] in ("collapsed", "diverged", "ok")
+    if summary["status"] != "diverged":
+        assert summary["collapsed"] and summary["collapse_step"] <= 4 and summary["collapse_reason"]
+    else:
+        assert "abort_gap" in summary["error"]
 
 
 @pytest.mark.slow
