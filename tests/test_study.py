@@ -163,3 +163,19 @@ def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
         assert (res / f"figures/study_{name}.png").stat().st_size > 10_000
     tex = (res / "tables/study_mismatch.tex").read_text()
     assert "\\toprule" in tex and "\\bottomrule" in tex
+
+
+@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
+def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
+    import shutil
+
+    res = tmp_path / "r"
+    shutil.copytree(REFERENCE, res)
+    proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper")], timeout=600)
+    claims = (res / "paper/claims.tex").read_text()
+    assert "\\newcommand{\\claims}" in claims and "RoPE alone" in claims
+    if shutil.which("latexmk") and shutil.which("pdflatex"):
+        assert proc.returncode == 0, tail(proc)
+        assert (res / "paper/main.pdf").stat().st_size > 20_000
+    else:
+        assert proc.returncode == 1 and "no TeX engine" in proc.stderr and "apt-get install latexmk" in proc.stderr
