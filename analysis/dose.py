@@ -58,6 +58,8 @@ def load_runs(results: Path) -> pd.DataFrame:
         row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
                "is_correction": correction, "old_logprobs": old, "seed": seed,
                "status": summary.get("status", "missing")}
+        if summary.get("status") == "collapsed" and not metrics:  # blew up before a step was logged
+            row.update(verdict="collapsed", collapsed=True, collapse_step=summary.get("collapse_step"), steps=0)
         if metrics:
             verdict = collapse_verdict(metrics, CollapseThresholds(**cfg["collapse"]))
             if summary.get("status") == "collapsed":  # stopped by a blow-up the metric log cannot show
@@ -142,9 +144,15 @@ def threshold(curve: pd.DataFrame, boot: int = 1000, seed: int = 0) -> dict:
             "bootstrap_fits": len(estimates)}
 
 
+def dose_arms(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs of the dose curves: stock BF16 and the perturbed samplers (not the anchors,
+    which ran only with IS off and would skew that curve alone)."""
+    return runs[(runs["status"] != "missing") & (runs["arm"].str.startswith("perturb-") | (runs["arm"] == "bf16-none"))]
+
+
 def thresholds(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for (correction, old), curve in runs[runs["status"] != "missing"].groupby(["is_correction", "old_logprobs"]):
+    for (correction, old), curve in dose_arms(runs).groupby(["is_correction", "old_logprobs"]):
         rows.append({"is_correction": correction, "old_logprobs": old, **threshold(curve)})
     return pd.DataFrame(rows)
 

@@ -33,12 +33,13 @@ def _collapsed(cell: str) -> tuple[int, int] | None:
     return int(k), int(n)
 
 
-def collapse_claim(table: pd.DataFrame, arm: str, claim: str) -> str:
-    """One claim ('aligning <arm> prevents the BF16 baseline's collapse'), judged per model."""
+def collapse_claim(table: pd.DataFrame, arm: str, claim: str, reference: str) -> str:
+    """One claim ('aligning <arm> prevents the BF16 baseline's collapse'), judged per model
+    against the ``reference`` arm (the BF16 baseline)."""
     verdicts = []
     for model, rows in table.groupby("model", sort=False):
         by = rows.set_index("arm")["collapsed"]
-        base, treated = _collapsed(by.get("none")), _collapsed(by.get(arm))
+        base, treated = _collapsed(by.get(reference)), _collapsed(by.get(arm))
         if base is None or treated is None:
             verdicts.append((model, "missing", "runs missing"))
         elif base[0] == 0:
@@ -56,7 +57,7 @@ def collapse_claim(table: pd.DataFrame, arm: str, claim: str) -> str:
     return f"\\item \\textbf{{{escape(claim)}}} --- {overall}. {escape(detail)}."
 
 
-def mismatch_claim(table: pd.DataFrame, arm: str) -> str:
+def mismatch_claim(table: pd.DataFrame, arm: str, reference: str) -> str:
     rows = table[(table["arm"] == arm) & table["probe_mean_abs_dlogp_change"].notna()]
     if rows.empty:
         return f"\\item No probe of {escape(arm)}."
@@ -66,9 +67,9 @@ def mismatch_claim(table: pd.DataFrame, arm: str) -> str:
     below = (rows["probe_mean_abs_dlogp_high"] < 0).sum()
     verdict = "lower on every model (interval below zero)" if below == len(rows) else \
         f"lower with an interval below zero on {below} of {len(rows)} models"
-    return (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} (offline probe, identical "
-            f"tokens, change of mean $|\\Delta\\log p|$ vs none, paired bootstrap 95\\% interval): {verdict}. "
-            f"{escape('; '.join(parts))}.")
+    return (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} "
+            f"(offline probe, identical tokens, change of mean $|\\Delta\\log p|$ vs {escape(reference)}, paired bootstrap 95\\% interval): "
+            f"{verdict}. {escape('; '.join(parts))}.")
 
 
 def dose_parts(results: Path, out_dir: Path) -> str:
@@ -100,9 +101,10 @@ def write_claims(results: Path, out_dir: Path) -> Path:
     manifest = json.loads((results / "study" / "manifest.json").read_text())
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
-    items = [collapse_claim(collapse, "all", "Aligning all three regions prevents the BF16 baseline's collapse"),
-             collapse_claim(collapse, "rope", "RoPE alone suffices"),
-             mismatch_claim(mismatch, "all"), mismatch_claim(mismatch, "rope")]
+    ref = manifest["reference_arm"]
+    items = [collapse_claim(collapse, "all", "Aligning all three regions prevents the BF16 baseline's collapse", ref),
+             collapse_claim(collapse, "rope", "RoPE alone suffices", ref),
+             mismatch_claim(mismatch, "all", ref), mismatch_claim(mismatch, "rope", ref)]
     dose = dose_parts(results, out_dir)
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
              f"{', '.join(map(str, manifest['seeds']))}.")

@@ -55,6 +55,8 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
             row["state"] = "failed" if summary.get("status") == "error" else "finished"
             row["status"] = summary.get("status")
             row["error"] = summary.get("error")
+            if summary.get("status") == "collapsed" and not metrics:  # blew up before a step was logged
+                row.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"))
         if summary is not None and metrics:
             cfg = json.loads((run / "config.json").read_text())
             v = collapse_verdict(metrics, CollapseThresholds(**cfg["collapse"]))

@@ -215,7 +215,8 @@ def main() -> None:
                     json.dump(report, f, indent=2)
         print(f"{'shape':14s} " + " ".join(f"{s:>9s}" for s in args.settings.split(",")))
         for name, rows in report["steps"].items():
-            print(f"{name:14s} " + " ".join(f"{r['vs_none']:9.3f}" for r in rows) + f"   (none {rows[0]['step_ms']:.0f} ms)")
+            ratios = " ".join(f"{r['vs_none']:9.3f}" for r in rows)
+            print(f"{name:14s} {ratios}   (none {rows[0]['step_ms']:.0f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

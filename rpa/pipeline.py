@@ -298,4 +298,9 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
             TrainConfig.from_dict(p["config"])
         except TrainConfigError as err:
             problems.append(f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']}): {err}")
+    for arm, overrides in study["arms"].items():
+        shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
+        if shared and any(study_init_config(config, m) is not None for m in study["models"]):
+            problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
+                            f"model fixes for every arm; set it in the base or study.sizes")
     return problems

@@ -162,13 +162,13 @@ def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]
     return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
 
 
-def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float]]:
+def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float], list[float]]:
     """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
-    and vLLM's logprobs themselves. Scored as the probe scores fixed tokens."""
+    and both engines' logprobs themselves (μ, π). Scored as the probe scores fixed tokens."""
     seq = {"seq": 0, "prompt_ids": ids[:1], "completion_ids": ids[1:]}
     mu = sampler_logprobs(llm, [seq], None)[0][0]
     pi = trainer_logprobs(model, seq["prompt_ids"], seq["completion_ids"])
-    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu
+    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu, pi
 
 
 def _head_logps(head, hidden, targets, temperature: float, entropy: bool):

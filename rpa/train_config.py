@@ -118,6 +118,10 @@ class TrainConfig:
             raise TrainConfigError("eval_every: must be >= 0")
         if self.eval_every and not self.task.eval_prompts:
             raise TrainConfigError("eval_every: needs task.eval_prompts > 0")
+        if self.eval_every and self.vllm_tensor_parallel_size > 1:
+            raise TrainConfigError("eval_every: the held-out evaluation runs on rank 0's engine alone, which a "
+                                   "tensor-parallel sampler (vllm_tensor_parallel_size > 1) cannot do; "
+                                   "set eval_every 0")
         if self.vllm_tensor_parallel_size < 1:
             raise TrainConfigError("vllm_tensor_parallel_size: must be >= 1")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:

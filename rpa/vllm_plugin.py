@@ -256,6 +256,8 @@ def register() -> None:
                 f"({op_registry_oot[stock.__name__]!r}); rpa cannot take region {region!r}"
             )
         stock.register_oot(layer)
+        if region not in regions:  # a dosed stock layer: keep the stock op's name, so vLLM's custom_ops
+            layer.name = stock.name  # switches (+rms_norm, ...) pick the same implementation as undosed
         _STATE["registered"][region] = layer.__name__
 
 

@@ -27,7 +27,8 @@ def test_the_dose_is_off_by_default_named_and_refused_where_meaningless():
     assert NumericsConfig().sampler_perturbation is None and NumericsConfig().perturbation_label == ""
     n = NumericsConfig.from_dict({"regions": "all", "sampler_perturbation": {"mantissa_bits": 4}})
     assert n.perturbation_label == "perturb-mantissa4" and n.to_dict()["sampler_perturbation"] == {"mantissa_bits": 4}
-    for bad, needle in [({"precision": "fp32"}, "needs precision bf16"), ({"precision": "fp16"}, "needs precision bf16"),
+    for bad, needle in [({"precision": "fp32"}, "needs precision bf16"),
+                        ({"precision": "fp16"}, "needs precision bf16"),
                         ({"mantissa": 4}, "expected {mantissa_bits"), ({"bits": 7}, "expected {mantissa_bits")]:
         spec = {"sampler_perturbation": {"mantissa_bits": 4}, **{k: v for k, v in bad.items() if k == "precision"}}
         if "precision" not in bad:
