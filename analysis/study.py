@@ -178,44 +178,49 @@ def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, window: int = 1) 
                     alpha=0.15)
 
 
-def figures(curves: pd.DataFrame, evals: pd.DataFrame, runs: pd.DataFrame, manifest: dict, fig_dir: Path,
-            fmt: str, label: str) -> None:
-    models, arms = manifest["models"], manifest["arms"]
-    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
-    for j, model in enumerate(models):
-        for arm in arms:
-            c = curves[(curves.model == model) & (curves.arm == arm)] if not curves.empty else curves
-            if not c.empty:
-                _band(axes[0, j], c, "step", "reward", arm, window=5)
-            e = evals[(evals.model == model) & (evals.arm == arm)] if not evals.empty else evals
-            if not e.empty:
-                _band(axes[1, j], e, "step", "eval/accuracy", arm)
-        axes[0, j].set_title(model)
-        axes[0, j].set_ylabel("reward (smoothed, 5 steps)")
-        axes[1, j].set_ylabel("held-out accuracy")
-        axes[1, j].set_xlabel("step")
-    axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{label}: reward and accuracy, mean and band (sd) over seeds")
+def _of(frame: pd.DataFrame, model: str, arm: str) -> pd.DataFrame:
+    return frame if frame.empty else frame[(frame.model == model) & (frame.arm == arm)]
+
+
+def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(fig_dir / f"study_rewards.{fmt}", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
+    models = manifest["models"]
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
+    for j, model in enumerate(models):
+        for arm in manifest["arms"]:
+            for row, frame, key, window in ((0, curves, "reward", 5), (1, evals, "eval/accuracy", 1)):
+                part = _of(frame, model, arm)
+                if not part.empty:
+                    _band(axes[row, j], part, "step", key, arm, window=window)
+        axes[0, j].set(title=model, ylabel="reward (smoothed, 5 steps)")
+        axes[1, j].set(xlabel="step", ylabel="held-out accuracy")
+    axes[0, -1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{label}: reward and accuracy, mean and band (sd) over seeds")
+    _save(fig, path)
+
+
+def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
+    models = manifest["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     for j, model in enumerate(models):
-        for arm in arms:
-            c = curves[(curves.model == model) & (curves.arm == arm)] if not curves.empty else curves
-            if not c.empty:
-                _band(axes[0, j], c, "step", "mismatch/mean_abs_dlogp", arm, window=3)
-        axes[0, j].set_yscale("log")
-        axes[0, j].set_title(model)
-        axes[0, j].set_xlabel("step")
+        for arm in manifest["arms"]:
+            part = _of(curves, model, arm)
+            if not part.empty:
+                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, window=3)
+        axes[0, j].set(yscale="log", title=model, xlabel="step")
     axes[0, 0].set_ylabel("in-training mean |dlogp|")
     axes[0, -1].legend(fontsize=6, ncol=2)
     fig.suptitle(f"{label}: trainer-vs-sampler mismatch during training")
-    fig.tight_layout()
-    fig.savefig(fig_dir / f"study_mismatch_curves.{fmt}", dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
+
+def heatmap(runs: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
+    models, arms = manifest["models"], manifest["arms"]
     share = np.full((len(models), len(arms)), np.nan)
     text = [["n/a"] * len(arms) for _ in models]
     for i, model in enumerate(models):
@@ -234,9 +239,7 @@ def figures(curves: pd.DataFrame, evals: pd.DataFrame, runs: pd.DataFrame, manif
     ax.set_xticks(range(len(arms)), arms, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(models)), models, fontsize=8)
     ax.set_title(f"{label}: collapsed runs / finished runs (grey: none finished)")
-    fig.tight_layout()
-    fig.savefig(fig_dir / f"study_heatmap.{fmt}", dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readable: pd.DataFrame | None = None) -> None:
@@ -265,7 +268,9 @@ def main() -> None:
                 f"{label}: mismatch per arm, offline probe on identical tokens (change vs "
                 f"{manifest['reference_arm']} with a paired bootstrap 95% interval) and during training",
                 readable_mismatch(mismatch))
-    figures(curves, evals, runs, manifest, fig_dir, args.format, label)
+    reward_figure(curves, evals, manifest, fig_dir / f"study_rewards.{args.format}", label)
+    mismatch_figure(curves, manifest, fig_dir / f"study_mismatch_curves.{args.format}", label)
+    heatmap(runs, manifest, fig_dir / f"study_heatmap.{args.format}", label)
     states = runs.state.value_counts().to_dict()
     print(f"study: {len(runs)} cells: {states}")
 

@@ -142,9 +142,20 @@ def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
-def _train_problems(config: dict[str, Any]) -> list[str]:
+def _invalid_runs(points: list[dict[str, Any]], where) -> list[str]:
+    """A problem line (``where(point): error``) for every grid point whose run config is invalid."""
     from rpa.train_config import TrainConfig, TrainConfigError
 
+    problems = []
+    for p in points:
+        try:
+            TrainConfig.from_dict(p["config"])
+        except TrainConfigError as err:
+            problems.append(f"{where(p)}: {err}")
+    return problems
+
+
+def _train_problems(config: dict[str, Any]) -> list[str]:
     train = config["train"]
     if train["model"] not in config.get("models", {}):
         return [f"train.model: {train['model']!r} is not a name in models"]
@@ -152,13 +163,7 @@ def _train_problems(config: dict[str, Any]) -> list[str]:
         points = train_points(config)
     except (OSError, RegionError) as err:
         return [f"train: {err}"]
-    problems = []
-    for p in points:
-        try:
-            TrainConfig.from_dict(p["config"])
-        except TrainConfigError as err:
-            problems.append(f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']}): {err}")
-    return problems
+    return _invalid_runs(points, lambda p: f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']})")
 
 
 # ------------------------------------------------------------------ the dose-response grid
@@ -216,12 +221,7 @@ def _dose_problems(config: dict[str, Any]) -> list[str]:
         TrainConfig.from_dict(dose_init_config(config))
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"dose: {err}"]
-    problems = []
-    for p in points:
-        try:
-            TrainConfig.from_dict(p["config"])
-        except TrainConfigError as err:
-            problems.append(f"dose cell {p['cell']}: {err}")
+    problems = _invalid_runs(points, lambda p: f"dose cell {p['cell']}")
     cells = [p["cell"] for p in points]
     if len(set(cells)) != len(cells):
         problems.append("dose: two cells share a directory (a dose repeated, or an anchor named like a dose)")
@@ -293,11 +293,7 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                 TrainConfig.from_dict(init)
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"study: {err}"]
-    for p in points:
-        try:
-            TrainConfig.from_dict(p["config"])
-        except TrainConfigError as err:
-            problems.append(f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']}): {err}")
+    problems += _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
     for arm, overrides in study["arms"].items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
         if shared and any(study_init_config(config, m) is not None for m in study["models"]):
