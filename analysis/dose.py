@@ -175,8 +175,8 @@ def statement(th: pd.DataFrame, anchors: pd.DataFrame) -> list[str]:
         elif t["kind"] == "all collapsed":
             lines.append(f"- {curve}: every run collapsed (from mismatch {t['high']:.2g}).")
         elif t["kind"] == "bracket":
-            ratio = "" if not bf16 else f"; BF16 ({bf16}) is {t['low'] / where.get('bf16-none', np.nan):.0f}x " \
-                                        f"below the lower end"
+            ratio = "" if "bf16-none" not in where else \
+                f"; BF16 none ({where['bf16-none']:.2g}) is {t['low'] / where['bf16-none']:.0f}x below the lower end"
             lines.append(f"- {curve}: half-collapse threshold between mismatch {t['low']:.2g} and {t['high']:.2g} "
                          f"(runs separate perfectly: {t['collapsed']}/{t['runs']} collapsed){ratio}.")
         else:
