@@ -12,7 +12,8 @@ CONFIGS = list(PROBE["configs"])
 SAMPLER = PROBE["sampler"]
 DIAGNOSE = config["diagnose"]["configs"]
 FIGURES = config["figures"]
-ENV = f"envs/rpa-{config['env']}.yaml"
+# conda: paths in an included file are relative to that file (rules/), hence "../"
+ENV = f"../envs/rpa-{config['env']}.yaml"
 DEVICE = config["device"]  # trainer side of parity / probe / diagnose
 GPU = config["gpus_per_job"]  # GPUs a parity / probe / diagnose job takes (0 on CPU)
 TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] for p in train_points(config)} \
