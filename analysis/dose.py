@@ -80,8 +80,13 @@ def load_runs(results: Path) -> pd.DataFrame:
     return pd.DataFrame(rows).reindex(columns=list(RUN_COLUMNS))
 
 
+def counted(runs: pd.DataFrame) -> pd.DataFrame:
+    """``collapsed`` as 0/1, so that a group of one run sums to a count, not a bool."""
+    return runs.assign(collapsed=runs["collapsed"].astype("boolean").fillna(False).astype(int))
+
+
 def groups(runs: pd.DataFrame) -> pd.DataFrame:
-    ok = runs[runs["status"] != "missing"]
+    ok = counted(runs[runs["status"] != "missing"])
     g = ok.groupby(["arm", "dose_bits", "is_correction", "old_logprobs"], dropna=False, sort=False)
     out = g.agg(runs=("seed", "size"), collapsed=("collapsed", "sum"),
                 mean_abs_dlogp=("mean_abs_dlogp", "mean"), seq_log_ratio_mean_abs=("seq_log_ratio_mean_abs", "mean"),
@@ -158,7 +163,7 @@ def thresholds(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def anchor_positions(runs: pd.DataFrame) -> pd.DataFrame:
-    ok = runs[(runs["status"] != "missing") & runs["arm"].isin(ANCHORS) & (runs["is_correction"] == "off")]
+    ok = counted(runs[(runs["status"] != "missing") & runs["arm"].isin(ANCHORS) & (runs["is_correction"] == "off")])
     return ok.groupby(["arm", "old_logprobs"]).agg(mean_abs_dlogp=("mean_abs_dlogp", "mean"),
                                                    collapsed=("collapsed", "sum"), runs=("seed", "size")).reset_index()
 
