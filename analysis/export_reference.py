@@ -1,0 +1,74 @@
+"""Copy the small raw results of a pipeline run into ``results/reference/<name>/``.
+
+    python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what dose
+    python -m analysis.export_reference --results results/study-cpu --out results/reference/study-cpu --what study
+
+Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
+restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
+logs stay in ``results/``); per probe: ``summary.json`` and ``tokens.csv`` restricted to
+:data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+from pathlib import Path
+
+METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
+               "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
+               "mismatch/seq_log_ratio_mean_abs", "mismatch/frac_ratio_outside", "mismatch/phantom_clip_rate",
+               "sync/mean_abs_dlogp", "sync/over_tolerance")
+TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "logp_trainer_batch")
+TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv"),
+          "study": ("study_collapse.csv", "study_collapse.md", "study_collapse.tex", "study_mismatch.csv",
+                    "study_mismatch.md", "study_mismatch.tex", "probe.csv", "probe.md")}
+FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch")}
+
+
+def copy_run(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "summary.json", "eval.jsonl"):
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    if (src / "metrics.jsonl").exists():
+        lines = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        (dst / "metrics.jsonl").write_text("".join(json.dumps({k: r[k] for k in METRIC_KEYS if k in r}) + "\n"
+                                                   for r in lines))
+
+
+def copy_probe(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / "summary.json", dst / "summary.json")
+    with open(src / "tokens.csv") as f_in, open(dst / "tokens.csv", "w", newline="") as f_out:
+        writer = csv.DictWriter(f_out, fieldnames=list(TOKEN_COLUMNS))
+        writer.writeheader()
+        for row in csv.DictReader(f_in):
+            writer.writerow({k: row[k] for k in TOKEN_COLUMNS})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--what", choices=("dose", "study"), required=True)
+    args = parser.parse_args()
+    runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json"))
+    for run in runs:
+        copy_run(run, args.out / run.relative_to(args.results))
+    if args.what == "study":
+        shutil.copy2(args.results / "study/manifest.json", args.out / "study/manifest.json")
+        for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
+            copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results))
+    for folder, names, ext in (("tables", TABLES[args.what], ""), ("figures", FIGURES[args.what], ".png")):
+        (args.out / folder).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if (args.results / folder / f"{name}{ext}").exists():
+                shutil.copy2(args.results / folder / f"{name}{ext}", args.out / folder / f"{name}{ext}")
+    print(f"export: {len(runs)} runs -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
