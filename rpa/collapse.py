@@ -1,7 +1,8 @@
 """Collapse verdict of a training run, computed from its per-step metric log.
 
 Definition (DESIGN.md): a run has collapsed at the first step where its smoothed reward
-falls below ``drop_fraction`` of its running best and never recovers above that level
+falls below ``drop_fraction`` of its running best (the best over full smoothing windows: a run
+shorter than the window has no reward verdict) and never recovers above that level
 again -- for at least ``min_steps_after_drop`` logged steps: a drop in the last steps of a
 run is ``unconfirmed``, not a collapse -- or where its loss / grad norm is non-finite, or
 where its grad norm spikes above ``spike_factor`` times its running median. All thresholds are data
@@ -79,7 +80,10 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
 
     finite = np.where(np.isfinite(reward), reward, np.nan)
     smoothed = smooth(np.nan_to_num(finite, nan=0.0), thresholds.smoothing_window)
-    best = np.maximum.accumulate(smoothed)
+    # only full windows set the running best: the first steps' partial averages are as noisy
+    # as one batch's reward, and a lucky first batch must not become the level a run "fell" from
+    full = np.where(np.arange(smoothed.size) >= thresholds.smoothing_window - 1, smoothed, -np.inf)
+    best = np.maximum.accumulate(full)
     low = (best >= thresholds.min_best_reward) & (smoothed < thresholds.drop_fraction * best)
     # first step from which the smoothed reward stays below the drop level of the best so far
     unconfirmed = None
@@ -102,7 +106,7 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
         "collapse_step": None if first is None else steps[first[0]],
         "collapse_reason": None if first is None else first[1],
         "peak_reward": float(np.nanmax(finite)) if np.isfinite(finite).any() else None,
-        "peak_smoothed_reward": float(best[-1]),
+        "peak_smoothed_reward": float(best[-1]) if np.isfinite(best[-1]) else None,
         "final_reward": float(smoothed[-1]),
         "reward_auc": auc,
         "steps": len(records),

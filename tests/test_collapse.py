@@ -83,3 +83,15 @@ def test_bad_logs_and_thresholds_are_refused():
         collapse_verdict([])
     with pytest.raises(ValueError):
         CollapseThresholds(drop_fraction=1.5)
+
+
+def test_a_lucky_first_batch_is_not_a_level_to_fall_from():
+    # one batch at 0.25, then a run that never learned (~0.1): the partial-window "peak" of step 1
+    # would make it a collapse at step ~5; only full windows set the best, so it is stable
+    rewards = [0.25] + [0.1, 0.08, 0.12, 0.1] * 5
+    v = collapse_verdict(log(rewards), CollapseThresholds(smoothing_window=5, drop_fraction=0.5))
+    assert v["verdict"] == "stable" and not v["collapsed"]
+    assert v["peak_smoothed_reward"] == pytest.approx(max(smooth(rewards, 5)[4:]))
+    # shorter than the window: no reward verdict at all
+    short = collapse_verdict(log([0.5, 0.0, 0.0]), CollapseThresholds(smoothing_window=5, min_steps_after_drop=1))
+    assert short["verdict"] == "stable" and short["peak_smoothed_reward"] is None

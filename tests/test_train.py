@@ -159,7 +159,7 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "numerics": {"regions": "none"},
                                    "learning_rate": 1000.0, "steps": 4, "gradient_checkpointing": False,
                                    # a 4-step run: the drop must hold one step to count (the default window is 5)
-                                   "collapse": {"min_steps_after_drop": 1}}))
+                                   "collapse": {"min_steps_after_drop": 1, "smoothing_window": 1}}))
     out = tmp_path / "run"
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
     assert proc.returncode == 0, tail(proc)
