@@ -2,7 +2,8 @@
 
 Writes ``claims.tex`` (the study's label, the commit the runs came from, and -- computed from
 the result tables -- which claims of the study reproduced at this scale) and, where the
-positive control ran, ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
+positive control ran (in ``R`` or in ``--dose-results``: the dose grid and the study may live
+in different results directories), ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
 (searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
 TeX engine it says what to install and exits 1, after writing the generated parts.
 """
@@ -97,7 +98,7 @@ def commit_of(results: Path) -> str:
     return "unknown"
 
 
-def write_claims(results: Path, out_dir: Path) -> Path:
+def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None) -> Path:
     manifest = json.loads((results / "study" / "manifest.json").read_text())
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
@@ -105,7 +106,7 @@ def write_claims(results: Path, out_dir: Path) -> Path:
     items = [collapse_claim(collapse, "all", "Aligning all three regions prevents the BF16 baseline's collapse", ref),
              collapse_claim(collapse, "rope", "RoPE alone suffices", ref),
              mismatch_claim(mismatch, "all", ref), mismatch_claim(mismatch, "rope", ref)]
-    dose = dose_parts(results, out_dir)
+    dose = dose_parts(dose_results or results, out_dir)
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
              f"{', '.join(map(str, manifest['seeds']))}.")
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
@@ -119,12 +120,15 @@ def write_claims(results: Path, out_dir: Path) -> Path:
     return path
 
 
-def build(results: Path, out_dir: Path) -> int:
+def build(results: Path, out_dir: Path, dose_results: Path | None = None) -> int:
     if not shutil.which("latexmk") or not shutil.which("pdflatex"):
         print(f"analysis.paper: no TeX engine (latexmk + pdflatex) on PATH; the generated parts are in {out_dir}. "
               f"Install: {TEX_INSTALL}", file=sys.stderr)
         return 1
-    search = os.pathsep.join(str(p.resolve()) for p in (out_dir, results / "tables", results / "figures"))
+    folders = [out_dir, results / "tables", results / "figures"]
+    if dose_results is not None:
+        folders.append(dose_results / "figures")
+    search = os.pathsep.join(str(p.resolve()) for p in folders)
     env = {**os.environ, "TEXINPUTS": search + os.pathsep + os.environ.get("TEXINPUTS", "")}
     proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
                            f"-outdir={out_dir.resolve()}", str(REPO / "paper" / "main.tex")],
@@ -140,10 +144,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--out-dir", required=True, type=Path)
+    parser.add_argument("--dose-results", type=Path, default=None,
+                        help="results directory of the positive control, if not --results")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_claims(args.results, args.out_dir)
-    sys.exit(build(args.results, args.out_dir))
+    write_claims(args.results, args.out_dir, args.dose_results)
+    sys.exit(build(args.results, args.out_dir, args.dose_results))
 
 
 if __name__ == "__main__":

@@ -171,9 +171,12 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
 
     res = tmp_path / "r"
     shutil.copytree(REFERENCE, res)
-    proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper")], timeout=600)
+    dose = REPO / "results/reference/cpu"  # the committed positive control, another results directory
+    proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
+                   "--dose-results", str(dose)], timeout=600)
     claims = (res / "paper/claims.tex").read_text()
     assert "\\newcommand{\\claims}" in claims and "RoPE alone" in claims
+    assert "half-collapse threshold" in claims and (res / "paper/dose_table.tex").exists()
     if shutil.which("latexmk") and shutil.which("pdflatex"):
         assert proc.returncode == 0, tail(proc)
         assert (res / "paper/main.pdf").stat().st_size > 20_000
