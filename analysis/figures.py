@@ -88,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     probe = pd.read_csv(tables / "probe.csv")
     mismatch_figure(probe, args.out_dir / f"mismatch.{args.format}")
     dlogp_vs_prob_figure(args.results, args.dlogp_configs, args.out_dir / f"dlogp_vs_prob.{args.format}")
-    layers_figure(pd.read_csv(tables / "diagnose.csv"), args.out_dir / f"layers.{args.format}")
+    try:
+        diagnose = pd.read_csv(tables / "diagnose.csv")
+    except pd.errors.EmptyDataError:  # the config asked for no diagnosis
+        diagnose = pd.DataFrame()
+    if diagnose.empty:
+        print("figures: no diagnosis rows, no layers figure")
+    else:
+        layers_figure(diagnose, args.out_dir / f"layers.{args.format}")
     print(f"figures -> {args.out_dir}")
     return 0
 

@@ -64,4 +64,5 @@ def probe_tables(wildcards=None):
 
 
 def analysis_figures(wildcards=None):
-    return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=["mismatch", "dlogp_vs_prob", "layers"])
+    names = ["mismatch", "dlogp_vs_prob"] + (["layers"] if DIAGNOSE else [])  # no diagnosis, no layer figure
+    return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=names)
