@@ -23,7 +23,7 @@ import pandas as pd
 from analysis.latex import booktabs, escape
 
 REPO = Path(__file__).resolve().parents[1]
-TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended "
+TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
                "(Debian/Ubuntu), or any TeX Live with latexmk, pdflatex and booktabs")
 
 
