@@ -537,6 +537,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     main = rank() == 0  # under accelerate launch: rank 0 owns the run directory's files
     lock = lock_run_dir(out) if main else None  # noqa: F841 - held until this process ends
+    if not main:
+        _log(f"joining the run in {out} (rank 0 owns its files)")
     cfg_path = out / "config.json"
     if cfg_path.exists() and json.loads(cfg_path.read_text()) != json.loads(json.dumps(cfg.to_dict())):
         raise RunDirectoryBusy(f"{out} holds a run with a different config; use a new directory")
