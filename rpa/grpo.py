@@ -566,11 +566,12 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
                                f"tokens")
     init_dir = out / "init_model"
-    if main and not cfg_path.exists():
-        tmp = cfg_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        tmp.rename(cfg_path)  # atomic: other ranks may read it
-        if not (init_dir / "config.json").exists():
+    if main:
+        if not cfg_path.exists():
+            tmp = cfg_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            tmp.rename(cfg_path)  # atomic: other ranks may read it
+        if not (init_dir / "config.json").exists():  # also after a kill between config.json and init_model
             _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
             prepare_init_model(cfg, rows, init_dir)
     else:

@@ -234,3 +234,19 @@ def test_micro_batching_must_add_up():
     assert cfg.micro_batching(world_size=2) == (4, 2)
     with pytest.raises(TrainConfigError, match="must equal the completions per step"):
         TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 5})
+
+
+@pytest.mark.slow
+def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_path):
+    """A kill between writing config.json and init_model/: the rerun prepares init_model itself
+    (it must not wait for another rank to write it)."""
+    cfg_dict = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "warm_start": {"steps": 0}}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(cfg_dict))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(TrainConfig.from_dict(cfg_dict).to_dict(), indent=2) + "\n")
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    assert (out / "init_model/config.json").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
