@@ -69,7 +69,8 @@ def mismatch_claim(table: pd.DataFrame, arm: str, reference: str) -> str:
     verdict = "lower on every model (interval below zero)" if below == len(rows) else \
         f"lower with an interval below zero on {below} of {len(rows)} models"
     return (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} "
-            f"(offline probe, identical tokens, change of mean $|\\Delta\\log p|$ vs {escape(reference)}, paired bootstrap 95\\% interval): "
+            f"(offline probe, identical tokens, change of mean $|\\Delta\\log p|$ vs {escape(reference)}, "
+            f"paired bootstrap 95\\% interval): "
             f"{verdict}. {escape('; '.join(parts))}.")
 
 

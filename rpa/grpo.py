@@ -161,8 +161,8 @@ def run_warm_start(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
 
 def check_sync_result(gap: float, tolerance: float, abort_gap: float, mu: list[float],
                       previous_mu: list[float] | None, step: int, dosed: bool = False, updated: bool = True) -> bool:
-    # ``updated``: the trainer's own logprobs of the probe changed since the previous check
-    """Classify a post-sync check; returns whether the gap is over ``tolerance``.
+    """Classify a post-sync check; returns whether the gap is over ``tolerance``. ``updated``:
+    the trainer's own logprobs of the probe changed since the previous check.
 
     * not finite, or over ``abort_gap``: the run has blown up (:class:`EngineDivergence`, a
       collapse; the run stops);

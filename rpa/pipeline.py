@@ -294,9 +294,10 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"study: {err}"]
     problems += _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+    shared_init = any(study_init_config(config, m) is not None for m in study["models"])
     for arm, overrides in study["arms"].items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
-        if shared and any(study_init_config(config, m) is not None for m in study["models"]):
+        if shared and shared_init:
             problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
                             f"model fixes for every arm; set it in the base or study.sizes")
     return problems
