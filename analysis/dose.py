@@ -3,7 +3,7 @@ trainer-sampler mismatch, per importance-sampling correction and old-logprob set
 
 Reads ``RESULTS/dose/<arm>/<correction>-<old>/seed<N>/{config.json,metrics.jsonl,eval.jsonl,
 summary.json}``. Verdicts are recomputed from ``metrics.jsonl`` with the thresholds of each
-run's config (:func:`rpa.collapse.collapse_verdict`), so the tables follow the current
+run's config (:func:`rpa.collapse.run_verdict`), so the tables follow the current
 definition. Writes
 
 * ``dose_runs.csv`` -- one row per run (:data:`RUN_COLUMNS`);
@@ -32,7 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.collapse import CollapseThresholds, collapse_verdict  # noqa: E402
+from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
 
 RUN_COLUMNS = ("arm", "dose_bits", "is_correction", "old_logprobs", "seed", "status", "verdict", "collapsed",
                "collapse_step", "steps", "peak_reward", "final_reward", "final_eval_accuracy", "final_eval_reward",
@@ -58,15 +58,12 @@ def load_runs(results: Path) -> pd.DataFrame:
         row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
                "is_correction": correction, "old_logprobs": old, "seed": seed,
                "status": summary.get("status", "missing")}
-        if summary.get("status") == "collapsed" and not metrics:  # blew up before a step was logged
-            row.update(verdict="collapsed", collapsed=True, collapse_step=summary.get("collapse_step"), steps=0)
-        if metrics:
-            verdict = collapse_verdict(metrics, CollapseThresholds(**cfg["collapse"]))
-            if summary.get("status") == "collapsed":  # stopped by a blow-up the metric log cannot show
-                verdict.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"))
-            m = pd.DataFrame(metrics)
+        if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
+            verdict = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
             row.update({k: verdict.get(k) for k in ("verdict", "collapsed", "collapse_step", "steps", "peak_reward",
                                                     "final_reward")})
+        if metrics:
+            m = pd.DataFrame(metrics)
             row.update(mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), kl_k3=m["mismatch/kl_k3"].mean(),
                        seq_log_ratio_mean_abs=m["mismatch/seq_log_ratio_mean_abs"].mean(),
                        phantom_clip_rate=m["mismatch/phantom_clip_rate"].mean(),

@@ -3,7 +3,7 @@ and a collapse heatmap, from ``RESULTS/study/manifest.json`` and the run directo
 
 Every expected cell appears: a run without a summary is ``missing``, one that ended in an
 error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
-``metrics.jsonl`` with the thresholds of its config (:func:`rpa.collapse.collapse_verdict`).
+``metrics.jsonl`` with the thresholds of its config (:func:`rpa.collapse.run_verdict`).
 
 Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
 
@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
-from rpa.collapse import CollapseThresholds, collapse_verdict  # noqa: E402
+from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
 
 BOOTSTRAP = 2000
 
@@ -59,9 +59,7 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
                 row.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"))
         if summary is not None and metrics:
             cfg = json.loads((run / "config.json").read_text())
-            v = collapse_verdict(metrics, CollapseThresholds(**cfg["collapse"]))
-            if summary.get("status") == "collapsed":  # stopped by a blow-up
-                v.update(collapsed=True, collapse_step=summary.get("collapse_step"))
+            v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
             m = pd.DataFrame(metrics)
             row.update(collapsed=bool(v["collapsed"]), verdict=v["verdict"], collapse_step=v["collapse_step"],
                        steps=v["steps"], peak_reward=v["peak_reward"], final_reward=v["final_reward"],

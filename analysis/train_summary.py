@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
-from rpa.collapse import CollapseThresholds, collapse_verdict  # noqa: E402
+from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
                "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status",
@@ -36,10 +36,7 @@ def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         metrics = pd.read_json(path.with_name("metrics.jsonl"), lines=True)
         records = [json.loads(line) for line in path.with_name("metrics.jsonl").read_text().splitlines() if line]
         # the verdict under the current definition, with the run's own thresholds
-        verdict = collapse_verdict(records, CollapseThresholds(**s["config"]["collapse"])) if records else {}
-        if s.get("status") == "collapsed":  # stopped by a blow-up the metric log cannot show
-            verdict.update(collapsed=True, collapse_step=s.get("collapse_step"),
-                           collapse_reason=s.get("collapse_reason"))
+        verdict = run_verdict(records, CollapseThresholds(**s["config"]["collapse"]), s)
         runs.append({"model": model, "setting": setting, "regions": regions, "seed": seed,
                      **{k: s.get(k) for k in RUN_COLUMNS[4:]}, **{k: v for k, v in verdict.items() if k in RUN_COLUMNS},
                      "mean_abs_dlogp": metrics["mismatch/mean_abs_dlogp"].mean(),

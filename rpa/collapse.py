@@ -112,3 +112,20 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
         "steps": len(records),
         "thresholds": asdict(thresholds),
     }
+
+
+def run_verdict(records: list[dict[str, Any]], thresholds: CollapseThresholds,
+                summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A run's verdict under the current definition, as every analysis reports it.
+
+    :func:`collapse_verdict` of its metric log with its own thresholds; where its summary says
+    it was stopped by a blow-up (status ``collapsed``: non-finite weights, which the metric log
+    cannot show) and the log shows no collapse, it is collapsed at the step the summary names.
+    A run with neither a log nor a blow-up has only ``{"steps": 0}``.
+    """
+    verdict = collapse_verdict(records, thresholds) if records else {"steps": 0}
+    summary = summary or {}
+    if summary.get("status") == "collapsed" and not verdict.get("collapsed"):
+        verdict.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"),
+                       collapse_reason=summary.get("collapse_reason"))
+    return verdict

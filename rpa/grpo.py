@@ -202,16 +202,17 @@ def phantom_clipped(trainer_logps, sampler_logps, advantages, epsilon_low: float
 
 
 @contextlib.contextmanager
-def _colocated_llm_dtype(dtype: str):
-    """TRL 1.16 builds its colocated ``vllm.LLM`` without a dtype, so vLLM's ``auto`` decides:
-    FP32 checkpoints are downcast and FP16 falls back to BF16 where the platform prefers it.
-    While TRL builds the engine, the ``LLM`` it calls gets the configuration's dtype."""
+def _colocated_llm_args(cfg: TrainConfig):
+    """TRL 1.16 builds its colocated ``vllm.LLM`` with fixed arguments: no dtype (so vLLM's
+    ``auto`` decides: FP32 checkpoints are downcast and FP16 falls back to BF16 where the
+    platform prefers it) and vLLM's default compilation. While TRL builds the engine, the
+    ``LLM`` it calls gets the configuration's dtype and ``enforce_eager``."""
     import functools
 
     import trl.generation.vllm_generation as generation
 
     stock = generation.LLM
-    generation.LLM = functools.partial(stock, dtype=dtype)
+    generation.LLM = functools.partial(stock, dtype=cfg.numerics.dtype_name, enforce_eager=cfg.vllm_enforce_eager)
     try:
         yield
     finally:
@@ -233,7 +234,7 @@ def _make_trainer_class():
         def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], **kwargs):
             self.rpa_config = rpa_config
             self.rpa_probe_ids = probe_ids
-            with _colocated_llm_dtype(rpa_config.numerics.dtype_name):
+            with _colocated_llm_args(rpa_config):
                 super().__init__(*args, **kwargs)
             from rpa.engine import verify_plugin
 
@@ -245,7 +246,7 @@ def _make_trainer_class():
 
             llm = self.vllm_generation.llm
             verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
-            self._check_engine_dtypes(llm)
+            self._check_engine_config(llm)
             if not torch.cuda.is_available():
                 self.vllm_generation.sync_weights = self._sync_weights_reload
             stock_sync = self.vllm_generation.sync_weights
@@ -258,7 +259,7 @@ def _make_trainer_class():
             self.vllm_generation.sync_weights = sync_and_check
             self.rpa_last_sync_gap = self.check_sync()  # vLLM starts from the same weights as the trainer
 
-        def _check_engine_dtypes(self, llm) -> None:
+        def _check_engine_config(self, llm) -> None:
             mc = llm.llm_engine.model_config
             want = self.rpa_config.numerics
             problems = []
@@ -270,6 +271,9 @@ def _make_trainer_class():
                 problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
             if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
                 problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
+            if mc.enforce_eager != self.rpa_config.vllm_enforce_eager:
+                problems.append(f"vLLM's enforce_eager is {mc.enforce_eager}, vllm_enforce_eager asks for "
+                                f"{self.rpa_config.vllm_enforce_eager}")
             if problems:
                 raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
 

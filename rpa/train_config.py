@@ -94,10 +94,17 @@ class TrainConfig:
     """Ranks per colocated vLLM engine (TRL ``vllm_tensor_parallel_size``); must divide the processes."""
     vllm_context_slack: int = 8
     """Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."""
+    vllm_enforce_eager: bool = False
+    """Run the colocated vLLM eager (no ``torch.compile``, no CUDA graphs). Off: vLLM's default
+    compiled engine, as deployed. On CPU the compilation costs ~30 s per run (the compile
+    cache is keyed by the model path, and every run loads its own ``init_model``)."""
     shuffle_dataset: bool = True
     disable_dropout: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):
+            if not isinstance(getattr(self, name), bool):
+                raise TrainConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.is_correction not in IS_CORRECTIONS:
             raise TrainConfigError(f"is_correction: {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}")
         for name in ("steps", "prompts_per_step", "num_generations", "max_prompt_length", "max_completion_length",

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from rpa.collapse import CollapseThresholds, collapse_verdict, smooth
+from rpa.collapse import CollapseThresholds, collapse_verdict, run_verdict, smooth
 
 
 def log(rewards, grads=None, losses=None):
@@ -95,3 +95,19 @@ def test_a_lucky_first_batch_is_not_a_level_to_fall_from():
     # shorter than the window: no reward verdict at all
     short = collapse_verdict(log([0.5, 0.0, 0.0]), CollapseThresholds(smoothing_window=5, min_steps_after_drop=1))
     assert short["verdict"] == "stable" and short["peak_smoothed_reward"] is None
+
+
+def test_run_verdict_adds_a_blow_up_the_log_cannot_show():
+    """The analyses' verdict: the log's, except that a run stopped by non-finite weights (summary
+    status ``collapsed``) is collapsed at the summary's step; a collapse in the log is kept."""
+    stable = log([0.5] * 12)
+    blown = {"status": "collapsed", "collapse_step": 12, "collapse_reason": "non-finite weights"}
+    v = run_verdict(stable, CollapseThresholds(), blown)
+    assert (v["collapsed"], v["verdict"], v["collapse_step"], v["collapse_reason"]) == \
+        (True, "collapsed", 12, "non-finite weights")
+    assert run_verdict(stable, CollapseThresholds(), {"status": "ok"}) == collapse_verdict(stable)
+    dropped = log([0.8] * 10 + [0.1] * 10)
+    late = {**blown, "collapse_step": 20}
+    assert run_verdict(dropped, CollapseThresholds(), late)["collapse_step"] == collapse_verdict(dropped)["collapse_step"] < 20
+    assert run_verdict([], CollapseThresholds(), {"status": "ok"}) == {"steps": 0}
+    assert run_verdict([], CollapseThresholds(), blown)["collapsed"]

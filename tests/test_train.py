@@ -33,6 +33,7 @@ BASE = {
     ({"task": {"name": "gsm8k"}}, "task: task 'gsm8k' needs path"),
     ({"num_generations": 1}, "num_generations"),
     ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
+    ({"vllm_enforce_eager": "yes"}, "vllm_enforce_eager: must be true or false"),
 ])
 def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
     cfg = tmp_path / "run.yaml"
@@ -158,6 +159,7 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "numerics": {"regions": "none"},
                                    "learning_rate": 1000.0, "steps": 4, "gradient_checkpointing": False,
+                                   "vllm_enforce_eager": True,  # the engine check refuses a compiled one
                                    # a 4-step run: the drop must hold one step to count (the default window is 5)
                                    "collapse": {"min_steps_after_drop": 1, "smoothing_window": 1}}))
     out = tmp_path / "run"
@@ -179,7 +181,8 @@ def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, t
     the policy moves and the frozen reference does not, so the KL grows."""
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "beta": 0.04, "steps": 3,
-                                   "checkpoint_every": 3, "gradient_checkpointing": False}))
+                                   "checkpoint_every": 3, "gradient_checkpointing": False,
+                                   "vllm_enforce_eager": True}))
     out = tmp_path / "run"
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
     assert proc.returncode == 0, tail(proc)
