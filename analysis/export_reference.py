@@ -56,6 +56,10 @@ def main() -> None:
     parser.add_argument("--what", choices=("dose", "study"), required=True)
     args = parser.parse_args()
     runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json"))
+    if not runs:
+        raise SystemExit(f"export: no runs under {args.results / args.what}")
+    for folder in (args.what, "probe") if args.what == "study" else (args.what,):
+        shutil.rmtree(args.out / folder, ignore_errors=True)  # no stale runs from an earlier export
     for run in runs:
         copy_run(run, args.out / run.relative_to(args.results))
     if args.what == "study":

@@ -165,6 +165,30 @@ def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
     assert "\\toprule" in tex and "\\bottomrule" in tex
 
 
+def test_export_replaces_the_stage_never_merges_stale_runs(tmp_path):
+    """Exporting again into a reference folder keeps its README but not runs the new results lack."""
+    def run(root, cell):
+        d = root / "study" / cell
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+        (d / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5, "extra": 1}\n')
+        return d
+
+    first, second, out = tmp_path / "first", tmp_path / "second", tmp_path / "out"
+    for root, cells in ((first, ("m/none/seed0", "m/none/seed9")), (second, ("m/none/seed0",))):
+        for cell in cells:
+            run(root, cell)
+        (root / "study/manifest.json").write_text("{}")
+    out.mkdir()
+    (out / "README.md").write_text("kept")
+    for root in (first, second):
+        proc = run_py(["-m", "analysis.export_reference", "--results", str(root), "--out", str(out), "--what", "study"])
+        assert proc.returncode == 0, tail(proc)
+    assert sorted(p.parent.name for p in (out / "study").glob("*/*/*/summary.json")) == ["seed0"]
+    assert (out / "README.md").read_text() == "kept"
+    assert (out / "study/m/none/seed0/metrics.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'
+
+
 @pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
 def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
     import shutil
