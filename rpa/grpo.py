@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpa.errors import UserError
+from rpa.rundir import (
+    RunDirectoryBusy,
+    finished_summary,
+    latest_checkpoint,
+    lock_run_dir,
+    read_metrics,
+    truncate_metrics,
+    wait_for,
+)
 from rpa.train_config import IS_CORRECTIONS, TrainConfig, TrainConfigError
 
 SUMMARY_SCHEMA = "rpa.train/1"
@@ -221,11 +229,10 @@ def _colocated_llm_args(cfg: TrainConfig):
 
 def _make_trainer_class():
     """The subclass is built lazily so that importing :mod:`rpa.grpo` does not import TRL."""
-    import torch
-    from trl import GRPOTrainer
-
     import numpy as np
+    import torch
     from accelerate.utils import gather_object
+    from trl import GRPOTrainer
 
     from rpa.metrics import mismatch_metrics
     from rpa.scoring import sync_gap, token_logps_and_entropy
@@ -394,46 +401,7 @@ def _metrics_callback(path: Path, constants: dict[str, Any]):
     return MetricsLog()
 
 
-# --------------------------------------------------------------------------- run directory
-
-
-class RunDirectoryBusy(UserError):
-    """Another ``rpa train`` holds the run directory."""
-
-
-def lock_run_dir(out: Path):
-    """An exclusive lock on ``out/.lock`` for the life of this process, or
-    :class:`RunDirectoryBusy`. ``flock`` locks die with their process, so a killed run
-    leaves no stale lock: its rerun resumes."""
-    import fcntl
-
-    handle = open(out / ".lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise RunDirectoryBusy(f"{out} is in use by a running rpa train ({holder}); wait for it to finish "
-                               f"or use another directory") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
-    return handle
-
-
-def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
-    """The summary of a run that has nothing left to do: all steps, or stopped by a blow-up
-    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again."""
-    path = out / "summary.json"
-    if not path.exists():
-        return None
-    summary = json.loads(path.read_text())
-    stopped = summary.get("status") in ("collapsed", "diverged")
-    if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
-        return summary
-    return None
+# --------------------------------------------------------------------------- the run
 
 
 def _any_nonfinite(model) -> bool:
@@ -449,17 +417,6 @@ def _any_nonfinite(model) -> bool:
     return local
 
 
-def _wait_for(path: Path, timeout_s: float = 3600) -> None:
-    """Ranks other than 0 wait for a file rank 0 writes (before any process group exists)."""
-    deadline = time.time() + timeout_s
-    if not path.exists():
-        _log(f"waiting for rank 0 to write {path}")
-    while not path.exists():
-        if time.time() > deadline:
-            raise TimeoutError(f"rank {rank()}: {path} did not appear within {timeout_s:.0f} s")
-        time.sleep(1.0)
-
-
 def filter_prompts(rows: list[dict[str, Any]], tokenizer, max_prompt_length: int) -> tuple[list[dict], int]:
     """Drop prompts longer than ``max_prompt_length`` tokens (as TRL tokenizes them, without
     special tokens); TRL 1.16 does not truncate, and vLLM rejects a request longer than its
@@ -467,25 +424,6 @@ def filter_prompts(rows: list[dict[str, Any]], tokenizer, max_prompt_length: int
     kept = [r for r in rows if len(tokenizer(r["prompt"], add_special_tokens=False).input_ids) <= max_prompt_length]
     return kept, len(rows) - len(kept)
 
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and
-             (p / "trainer_state.json").exists()]
-    return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
-
-
-def truncate_metrics(path: Path, last_step: int) -> int:
-    """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
-    kept = [r for r in read_metrics(path) if r["step"] <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return len(kept)
 
 
 def _claim_rendezvous_port() -> None:
@@ -535,7 +473,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
 
     Safe to start again: a finished run does nothing and returns its summary, a killed one
     resumes from its last checkpoint, and a second process on the same directory is refused
-    (:class:`RunDirectoryBusy`).
+    (:class:`~rpa.rundir.RunDirectoryBusy`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -579,7 +517,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
             _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
             prepare_init_model(cfg, rows, init_dir)
     else:
-        _wait_for(init_dir / "config.json")
+        wait_for(init_dir / "config.json", rank(), _log)
 
     import datasets
     import torch

@@ -1,0 +1,86 @@
+"""The run directory of ``rpa train``: one process owns it, a finished run is left alone, a
+killed one resumes from its last checkpoint with its metric log cut back to that step.
+
+Layout: ``config.json``, ``init_model/``, ``checkpoint-N/``, ``metrics.jsonl``, ``eval.jsonl``,
+``summary.json`` and ``.lock`` (an ``flock`` held while a process runs the directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rpa.errors import UserError
+from rpa.train_config import TrainConfig
+
+
+class RunDirectoryBusy(UserError):
+    """Another ``rpa train`` holds the run directory."""
+
+
+def lock_run_dir(out: Path):
+    """An exclusive lock on ``out/.lock`` for the life of this process, or
+    :class:`RunDirectoryBusy`. ``flock`` locks die with their process, so a killed run
+    leaves no stale lock: its rerun resumes."""
+    import fcntl
+
+    handle = open(out / ".lock", "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirectoryBusy(f"{out} is in use by a running rpa train ({holder}); wait for it to finish "
+                               f"or use another directory") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a run that has nothing left to do: all steps, or stopped by a blow-up
+    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again."""
+    path = out / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    stopped = summary.get("status") in ("collapsed", "diverged")
+    if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
+        return summary
+    return None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and
+             (p / "trainer_state.json").exists()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
+    kept = [r for r in read_metrics(path) if r["step"] <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return len(kept)
+
+
+def wait_for(path: Path, rank: int, log, timeout_s: float = 3600) -> None:
+    """Ranks other than 0 wait for a file rank 0 writes (before any process group exists)."""
+    deadline = time.time() + timeout_s
+    if not path.exists():
+        log(f"waiting for rank 0 to write {path}")
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"rank {rank}: {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(1.0)
