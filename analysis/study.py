@@ -166,14 +166,28 @@ def readable_mismatch(table: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- figures
 
 
-def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, window: int = 1) -> None:
+def arm_colors(arms: list[str]) -> dict[str, tuple]:
+    """One colour per arm, the same in every panel and figure, no two arms alike (tab10 repeats
+    after ten; the study has twelve arms)."""
+    cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
+    return {arm: cmap(i % cmap.N) for i, arm in enumerate(arms)}
+
+
+def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, color, window: int = 1, log: bool = False) -> None:
+    """Mean over seeds and a band of one standard deviation; with ``log``, both in log10 space
+    (geometric mean, band x/÷ 10^sd), so that the band of a log-scale axis never crosses zero."""
     frame = frame.sort_values(x)
     if window > 1:
         frame = frame.assign(**{y: frame.groupby("seed")[y].transform(lambda s: s.rolling(window, 1).mean())})
+    if log:
+        frame = frame[frame[y] > 0].assign(**{y: lambda f: np.log10(f[y])})
     stats = frame.groupby(x)[y].agg(["mean", "std"]).reset_index()
-    ax.plot(stats[x], stats["mean"], label=label, lw=1.2)
-    ax.fill_between(stats[x], stats["mean"] - stats["std"].fillna(0), stats["mean"] + stats["std"].fillna(0),
-                    alpha=0.15)
+    low, high = stats["mean"] - stats["std"].fillna(0), stats["mean"] + stats["std"].fillna(0)
+    mean = stats["mean"]
+    if log:
+        mean, low, high = 10 ** mean, 10 ** low, 10 ** high
+    ax.plot(stats[x], mean, label=label, lw=1.2, color=color)
+    ax.fill_between(stats[x], low, high, alpha=0.15, color=color)
 
 
 def _of(frame: pd.DataFrame, model: str, arm: str) -> pd.DataFrame:
@@ -187,14 +201,14 @@ def _save(fig, path: Path) -> None:
 
 
 def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    models = manifest["models"]
+    models, colors = manifest["models"], arm_colors(manifest["arms"])
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
     for j, model in enumerate(models):
         for arm in manifest["arms"]:
             for row, frame, key, window in ((0, curves, "reward", 5), (1, evals, "eval/accuracy", 1)):
                 part = _of(frame, model, arm)
                 if not part.empty:
-                    _band(axes[row, j], part, "step", key, arm, window=window)
+                    _band(axes[row, j], part, "step", key, arm, colors[arm], window=window)
         axes[0, j].set(title=model, ylabel="reward (smoothed, 5 steps)")
         axes[1, j].set(xlabel="step", ylabel="held-out accuracy")
     axes[0, -1].legend(fontsize=6, ncol=2)
@@ -203,17 +217,18 @@ def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, pat
 
 
 def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    models = manifest["models"]
+    models, colors = manifest["models"], arm_colors(manifest["arms"])
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     for j, model in enumerate(models):
         for arm in manifest["arms"]:
             part = _of(curves, model, arm)
             if not part.empty:
-                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, window=3)
+                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, colors[arm], window=3, log=True)
         axes[0, j].set(yscale="log", title=model, xlabel="step")
     axes[0, 0].set_ylabel("in-training mean |dlogp|")
     axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{label}: trainer-vs-sampler mismatch during training")
+    fig.suptitle(f"{label}: trainer-vs-sampler mismatch during training (geometric mean, band x/÷ one "
+                 f"sd of log10 over seeds)")
     _save(fig, path)
 
 

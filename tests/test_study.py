@@ -206,3 +206,11 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
         assert (res / "paper/main.pdf").stat().st_size > 20_000
     else:
         assert proc.returncode == 1 and "no TeX engine" in proc.stderr and "apt-get install latexmk" in proc.stderr
+
+
+def test_every_arm_has_its_own_colour():
+    from analysis.study import arm_colors
+
+    arms = list(STUDY["study"]["arms"])
+    colours = arm_colors(arms)
+    assert len(arms) == 12 and len(set(colours.values())) == len(arms)
