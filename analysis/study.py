@@ -55,15 +55,14 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
             row["state"] = "failed" if summary.get("status") == "error" else "finished"
             row["status"] = summary.get("status")
             row["error"] = summary.get("error")
-            if summary.get("status") == "collapsed" and not metrics:  # blew up before a step was logged
-                row.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"))
+            if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
+                cfg = json.loads((run / "config.json").read_text())
+                v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
+                row.update({k: v.get(k) for k in ("collapsed", "verdict", "collapse_step", "steps", "peak_reward",
+                                                  "final_reward")})
         if summary is not None and metrics:
-            cfg = json.loads((run / "config.json").read_text())
-            v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
             m = pd.DataFrame(metrics)
-            row.update(collapsed=bool(v["collapsed"]), verdict=v["verdict"], collapse_step=v["collapse_step"],
-                       steps=v["steps"], peak_reward=v["peak_reward"], final_reward=v["final_reward"],
-                       train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
+            row.update(train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
             curves.append(m.assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
         e = _jsonl(run / "eval.jsonl")
         if e:

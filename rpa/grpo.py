@@ -523,7 +523,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rpa.collapse import collapse_verdict
+    from rpa.collapse import run_verdict
 
     metrics_path = out / "metrics.jsonl"
     resume = latest_checkpoint(out)
@@ -565,16 +565,16 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         if error is not None:
             raise error
         return {"schema": SUMMARY_SCHEMA, "rank": rank(), "status": "ok", "note": "rank 0 writes the summary"}
-    records = read_metrics(metrics_path)
-    verdict = collapse_verdict(records, cfg.collapse) if records else {"collapsed": False, "steps": 0}
     # a run stopped by non-finite weights has collapsed; one stopped because the two engines drifted
     # apart (finite weights, probe gap past abort_gap) is "diverged": the mismatch under study, not
     # an outcome -- its collapse verdict comes from its reward log like any other run's
     diverged = error is not None and isinstance(error, EngineDivergence) and not nonfinite_weights
     blew_up = error is not None and (nonfinite_weights or isinstance(error, EngineDivergence))
-    if nonfinite_weights and error is not None and not verdict.get("collapsed"):
-        verdict.update(collapsed=True, verdict="collapsed", collapse_step=trainer.state.global_step,
-                       collapse_reason=f"non-finite weights; run stopped: {error}")
+    stopped = None  # what the summary will say of a blow-up, as run_verdict reads it
+    if nonfinite_weights and error is not None:
+        stopped = {"status": "collapsed", "collapse_step": trainer.state.global_step,
+                   "collapse_reason": f"non-finite weights; run stopped: {error}"}
+    verdict = {"collapsed": False, **run_verdict(read_metrics(metrics_path), cfg.collapse, stopped)}
     evals = read_metrics(eval_path)
     if evals:
         verdict.update(final_eval_accuracy=evals[-1]["eval/accuracy"], final_eval_reward=evals[-1]["eval/reward"],
