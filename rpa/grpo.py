@@ -40,6 +40,7 @@ from rpa.rundir import (
     latest_checkpoint,
     lock_run_dir,
     read_metrics,
+    same_config,
     truncate_metrics,
     wait_for,
 )
@@ -465,7 +466,18 @@ def _grpo_args(cfg: TrainConfig, out: Path):
         vllm_importance_sampling_correction=mode is not None,
         vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
         disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
+        scale_rewards=cfg.scale_rewards,
     )
+
+
+GRPO_SETTINGS = ("scale_rewards", "loss_type", "num_iterations", "steps_per_generation", "epsilon", "epsilon_high",
+                 "lr_scheduler_type", "importance_sampling_level")
+"""TRL settings of a run that the run config does not name one by one: the summary records the
+values TRL ran with (``grpo``), so a table can say which advantage scaling and loss produced it."""
+
+
+def grpo_settings(args) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in GRPO_SETTINGS if hasattr(args, k)}
 
 
 def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
@@ -482,7 +494,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if not main:
         _log(f"joining the run in {out} (rank 0 owns its files)")
     cfg_path = out / "config.json"
-    if cfg_path.exists() and json.loads(cfg_path.read_text()) != json.loads(json.dumps(cfg.to_dict())):
+    if cfg_path.exists() and not same_config(json.loads(cfg_path.read_text()), cfg):
         raise RunDirectoryBusy(f"{out} holds a run with a different config; use a new directory")
     done = finished_summary(out, cfg)
     if done is not None:
@@ -534,7 +546,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         truncate_metrics(eval_path, resume_step - 1)
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
-    error, model, trainer, described = None, None, None, None
+    error, model, trainer, described, settings = None, None, None, None, None
     if resume_step >= cfg.steps:  # killed after its last checkpoint: only the summary is missing
         _log(f"{resume.name} holds all {cfg.steps} steps; writing the summary without training")
         described = {"note": f"summary written from {resume.name}; no training in this invocation"}
@@ -548,7 +560,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
         probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
         trainer_cls = _make_trainer_class()
-        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=_grpo_args(cfg, out),
+        args = _grpo_args(cfg, out)
+        settings = grpo_settings(args)
+        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args,
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                               callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
                               rpa_config=cfg, probe_ids=probe)
@@ -583,7 +597,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "status": "ok" if error is None else "diverged" if diverged else "collapsed" if blew_up else "error",
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
-               "prompts_dropped_too_long": dropped, "provenance": started}
+               "grpo": settings, "prompts_dropped_too_long": dropped, "provenance": started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     if error is not None and not blew_up:
         raise error

@@ -294,6 +294,16 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"study: {err}"]
     problems += _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+    # the probe measures the engine training samples from: eager and compiled vLLM round differently
+    probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
+    for model in study["models"]:
+        modes = {not bool(p["config"].get("vllm_enforce_eager", False)) for p in points if p["model"] == model}
+        if modes and modes != {probe_compiled}:
+            train_mode = {frozenset({True}): "compiled", frozenset({False}): "eager"}.get(frozenset(modes),
+                                                                                        "both eager and compiled")
+            problems.append(f"probe.compiled: {str(probe_compiled).lower()}, but the study's runs of {model!r} "
+                            f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
+                            f"engine mode training uses")
     shared_init = any(study_init_config(config, m) is not None for m in study["models"])
     for arm, overrides in study["arms"].items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]

@@ -48,15 +48,16 @@ from rpa.scoring import (
     sampler_logprobs,
     save_completions,
     trainer_batch_logprobs,
-    trainer_logprobs,
+    trainer_token_stats,
 )
 
 SCHEMA = "rpa.probe/1"
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
-                 "logp_trainer_batch", "logp_decode", "full_kl")
+                 "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer")
 """``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
 exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time) and ``full_kl``
-are empty where not measured."""
+are empty where not measured; ``entropy_trainer`` is the entropy (nats) of the trainer's
+next-token distribution at that position (mismatch tracks it: report them together)."""
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,14 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     hf, alignment = numerics.load_trainer_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pi, pi_kl = [], []
+    pi, pi_kl, pi_entropy = [], [], []
     with numerics.trainer_context():
         for c, dist in zip(completions, mu_dist or [None] * len(completions)):
+            picked, entropy, pi_dist = trainer_token_stats(hf, c["prompt_ids"], c["completion_ids"], full=full)
             if full:
-                picked, pi_dist = trainer_logprobs(hf, c["prompt_ids"], c["completion_ids"], full=True)
                 pi_kl.append(full_kl(dist, pi_dist))
-            else:
-                picked = trainer_logprobs(hf, c["prompt_ids"], c["completion_ids"])
             pi.append(picked)
+            pi_entropy.append(entropy)
         pi_batch = trainer_batch_logprobs(hf, completions, pad_id)
     alignment.remove()
 
@@ -156,10 +156,10 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                          "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
                          "logp_trainer_batch": pi_batch[i][j],
                          "logp_decode": "" if decode is None else decode[j],
-                         "full_kl": float(pi_kl[i][j]) if full else ""})
+                         "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j]})
     col = lambda name: [r[name] for r in rows]  # noqa: E731
     metrics = mismatch_metrics(col("logp_trainer"), col("logp_sampler"), col("seq"), options.ratio_band)
-    summary: dict[str, Any] = {"schema": SCHEMA, **metrics}
+    summary: dict[str, Any] = {"schema": SCHEMA, **metrics, "entropy": float(np.mean(col("entropy_trainer")))}
     if full:
         kl = np.concatenate(pi_kl)
         summary.update(full_kl=float(kl.mean()), full_kl_max=float(kl.max()),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.errors import UserError
-from rpa.train_config import TrainConfig
+from rpa.train_config import TrainConfig, TrainConfigError
 
 
 class RunDirectoryBusy(UserError):
@@ -41,6 +41,17 @@ def lock_run_dir(out: Path):
     handle.write(f"pid {os.getpid()}")
     handle.flush()
     return handle
+
+
+def same_config(recorded: dict[str, Any], cfg: TrainConfig) -> bool:
+    """Whether a run directory's ``config.json`` is the run ``cfg``: compared after filling in
+    the defaults of fields added since it was written (a new option with its old behaviour as
+    the default does not make a finished run "different")."""
+    try:
+        recorded = TrainConfig.from_dict(recorded).to_dict()
+    except TrainConfigError:
+        return False
+    return json.loads(json.dumps(recorded)) == json.loads(json.dumps(cfg.to_dict()))
 
 
 def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:

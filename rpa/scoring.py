@@ -128,9 +128,10 @@ def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[flo
 # -------------------------------------------------------------------- the trainer, π
 
 
-def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
-    """Trainer log-probability of each completion token given everything before it
-    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
+def trainer_token_stats(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """``(logps, entropies, dists)`` of one sequence (no padding): the trainer's log-probability
+    of each completion token given everything before it, the entropy (nats) of its next-token
+    distribution at that position, and with ``full`` the FP32 log-distributions (else None)."""
     import torch
 
     device = next(model.parameters()).device
@@ -138,7 +139,15 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *,
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1: -1], dim=-1)
     picked = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
-    return (picked, logp.double().cpu().numpy()) if full else picked
+    entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+    return picked, entropy, (logp.double().cpu().numpy() if full else None)
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """Trainer log-probability of each completion token given everything before it
+    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
+    picked, _, dist = trainer_token_stats(model, prompt_ids, completion_ids, full=full)
+    return (picked, dist) if full else picked
 
 
 def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]:

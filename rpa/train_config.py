@@ -23,6 +23,9 @@ IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_t
 
 OLD_LOGPROBS = ("trainer", "sampler")
 
+SCALE_REWARDS = ("group", "batch", "none")
+"""TRL ``scale_rewards``: what GRPO divides the centred rewards by (group std, batch std, nothing)."""
+
 
 class TrainConfigError(UserError):
     """An invalid run config (the message names the key)."""
@@ -84,6 +87,11 @@ class TrainConfig:
     """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
     ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
     them: the mismatch reaches the clip -- "phantom clipping")."""
+    scale_rewards: str = "group"
+    """TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean,
+    divided by the group's std, so a group whose rewards differ by 0.01 still gets unit-size
+    advantages), ``batch`` (divided by the std over the whole step) or ``none`` (centred only,
+    Dr. GRPO). The value in effect is written to every run's summary (``grpo``)."""
     warm_start: WarmStart = field(default_factory=WarmStart)
     sync_check: SyncCheck = field(default_factory=SyncCheck)
     collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
@@ -119,6 +127,8 @@ class TrainConfig:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
             raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
         if self.eval_every < 0:

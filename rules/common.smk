@@ -41,6 +41,26 @@ def model_input(wildcards):
     return model_files(wildcards.model)
 
 
+# The study's runs start from a shared warm start per model (``study/<model>/init``) where the
+# run config has one; parity, probe and diagnose measure that checkpoint -- the policy that
+# trains -- not the random-initialised model it was warm-started from.
+STUDY_SHARED_INIT = [m for m in config["study"]["models"] if study_init_config(config, m) is not None] \
+    if config.get("study") else []
+
+
+def start_path(wildcards):
+    """The checkpoint the runs of ``wildcards.model`` start from: its shared warm start, else the model."""
+    if wildcards.model in STUDY_SHARED_INIT:
+        return f"{R}/study/{wildcards.model}/init"
+    return model_path(wildcards)
+
+
+def start_input(wildcards):
+    if wildcards.model in STUDY_SHARED_INIT:
+        return [f"{R}/study/{wildcards.model}/init/config.json"]
+    return model_input(wildcards)
+
+
 def gpu_launch(count):
     """Prefix giving a job its own GPUs on a workstation (rpa.gpus); nothing on CPU."""
     return f"python -m rpa.gpus --count {count} -- " if count else ""

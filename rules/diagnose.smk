@@ -3,14 +3,14 @@
 
 rule diagnose:
     input:
-        model=model_input,
+        model=start_input,
         parity=f"{R}/parity/{{model}}.json",
         completions=f"{R}/probe/{{model}}/{SAMPLER}/completions.jsonl",
     output:
         layers=f"{R}/diagnose/{{model}}/{{numerics}}/layers.csv",
         summary=f"{R}/diagnose/{{model}}/{{numerics}}/summary.json",
     params:
-        model=model_path,
+        model=start_path,
         out=lambda wc: f"{R}/diagnose/{wc.model}/{wc.numerics}",
         numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
         sequences=config["diagnose"]["sequences"],

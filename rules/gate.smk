@@ -3,11 +3,11 @@
 
 rule parity:
     input:
-        model_input,
+        start_input,
     output:
         f"{R}/parity/{{model}}.json",
     params:
-        model=model_path,
+        model=start_path,
         regions=config["parity"]["regions"],
         compiled="--compiled" if config["parity"]["compiled"] else "",
         launch=gpu_launch(GPU),

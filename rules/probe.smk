@@ -18,14 +18,14 @@ def probe_completions(wildcards):
 
 rule probe:
     input:
-        model=model_input,
+        model=start_input,
         parity=f"{R}/parity/{{model}}.json",
         completions=probe_completions,
     output:
         summary=f"{R}/probe/{{model}}/{{numerics}}/summary.json",
         tokens=f"{R}/probe/{{model}}/{{numerics}}/tokens.csv",
     params:
-        model=model_path,
+        model=start_path,
         out=lambda wc: f"{R}/probe/{wc.model}/{wc.numerics}",
         numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
         completions=lambda wc, input: f"--completions {input.completions[0]}" if input.completions else "",

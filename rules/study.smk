@@ -1,8 +1,7 @@
 # Stage: the study (`study`): models x arms x seeds of GRPO, each cell one run directory
 # `study/<model>/<arm>/seed<N>`, resources scaled by model size; tables and figures across sizes.
 
-STUDY_MODELS = config["study"]["models"] if STUDY else []
-STUDY_SHARED_INIT = [m for m in STUDY_MODELS if study_init_config(config, m) is not None]
+STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT: common.smk
 
 
 def _cell_model(wildcards):

@@ -34,6 +34,7 @@ BASE = {
     ({"num_generations": 1}, "num_generations"),
     ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
     ({"vllm_enforce_eager": "yes"}, "vllm_enforce_eager: must be true or false"),
+    ({"scale_rewards": "std"}, "scale_rewards: 'std' is not one of group, batch, none"),
 ])
 def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
     cfg = tmp_path / "run.yaml"
@@ -41,6 +42,23 @@ def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")], timeout=120)
     assert proc.returncode == 2 and needle in proc.stderr, tail(proc)
     assert not (tmp_path / "run").exists()
+
+
+def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_path):
+    """The advantage scaling is a run-config field passed to TRL as is; a config.json written
+    before the field existed is the same run as one with the default (no "different config")."""
+    from rpa.grpo import _grpo_args, grpo_settings
+    from rpa.rundir import same_config
+
+    cfg = TrainConfig.from_dict({"model": "m", **BASE, "scale_rewards": "none"})
+    settings = grpo_settings(_grpo_args(cfg, tmp_path))
+    assert settings["scale_rewards"] == "none" and settings["loss_type"]
+    default = TrainConfig.from_dict({"model": "m", **BASE})
+    assert default.scale_rewards == "group"
+    old = default.to_dict()
+    del old["scale_rewards"]
+    assert same_config(old, default) and not same_config(old, cfg)
+    assert not same_config({**old, "steps": 7}, default) and not same_config({**old, "bogus": 1}, default)
 
 
 def test_config_round_trips_every_knob():
@@ -200,6 +218,7 @@ def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(out.parent / "run.yaml"), "--out", str(out)])
     assert proc.returncode == 0 and "already finished (6 steps, status ok); nothing to do" in proc.stderr, tail(proc)
     assert (out / "metrics.jsonl").read_text() == before
+    assert json.loads((out / "summary.json").read_text())["grpo"]["scale_rewards"] == "group"  # named in provenance
     assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints  # no checkpoint-7
 
 

