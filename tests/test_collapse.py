@@ -168,3 +168,14 @@ def test_run_verdict_adds_a_blow_up_the_log_cannot_show():
     assert run_verdict(dropped, CollapseThresholds(), late)["collapse_step"] == collapse_verdict(dropped)["collapse_step"] < 20
     assert run_verdict([], CollapseThresholds(), {"status": "ok"}) == {"steps": 0}
     assert run_verdict([], CollapseThresholds(), blown)["collapsed"]
+
+
+def test_the_readme_states_the_rule_as_coded():
+    """The README quotes rule_text for the default thresholds word for word (one source)."""
+    import re
+    from pathlib import Path
+
+    from rpa.collapse import rule_text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quoted = " ".join(line.strip()[2:] for line in readme.splitlines() if line.strip().startswith("> "))
+    assert re.sub(r"\s+", " ", rule_text(CollapseThresholds())) in re.sub(r"\s+", " ", quoted)
