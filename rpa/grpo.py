@@ -322,21 +322,22 @@ def _make_trainer_class():
             return logps, entropy, None
 
         def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
-            """Greedy completions of the held-out prompts by the sampler at the current weights:
+            """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
             mean reward and accuracy, appended to ``eval.jsonl`` (rank 0)."""
             if not self.rpa_eval_rows or not self.accelerator.is_main_process:
                 return None
             from vllm import SamplingParams
 
             task, rows = self.rpa_task, self.rpa_eval_rows
-            params = SamplingParams(temperature=0.0, max_tokens=self.rpa_config.max_completion_length)
+            params = SamplingParams(temperature=self.rpa_config.eval_temperature,
+                                    max_tokens=self.rpa_config.max_completion_length)
             outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
             texts = [o.outputs[0].text for o in outs]
             ids = [list(o.outputs[0].token_ids) for o in outs]
             rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
                                   completion_ids=ids)
             record = {"step": step, "eval/reward": float(np.mean(rewards)),
-                      "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i)
+                      "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i, prompt=r["prompt"])
                                                       for t, r, i in zip(texts, rows, ids)])),
                       "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
             with open(self.rpa_eval_path, "a") as f:
@@ -466,7 +467,8 @@ def _grpo_args(cfg: TrainConfig, out: Path):
         vllm_importance_sampling_correction=mode is not None,
         vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
         disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
-        scale_rewards=cfg.scale_rewards,
+        scale_rewards=cfg.scale_rewards, lr_scheduler_type=cfg.lr_scheduler_type, num_iterations=cfg.num_iterations,
+        steps_per_generation=cfg.updates_per_generation * accumulate,  # TRL counts micro-batches
     )
 
 

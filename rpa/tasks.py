@@ -7,6 +7,14 @@
   each with the tiny tokenizer: ~64 completion tokens at length 32), so per-token mismatch
   can accumulate over a long completion. Reward: the share of the ``length`` positions right;
   accuracy: all of them right.
+* ``walk``: "walk from a:" -> ``length`` numbers, each one step of +-1, +-2 or +-3 (mod 100)
+  from the one before (the first from a). Any such walk is right, so every position has six
+  equally rewarded continuations: the best policy need not become deterministic, and the
+  supervised warm start (on random walks, several per start) spreads it over them. This keeps
+  the policy's entropy up (~0.9 nats per token at the start with the tiny tokenizer's two
+  tokens per number), as real RL policies are, where ``count`` (one right answer) makes it
+  near-deterministic -- and mismatch tracks entropy. Reward: the share of the ``length``
+  positions that are a valid step; accuracy: all of them valid and exactly ``length`` numbers.
 * ``eos-sanity``: the check TRL's maintainers used for the trainer-generator mismatch: the
   reward falls with the completion's length (1 / tokens), so the best policy ends at once
   and any correct pipeline converges within a handful of steps. Accuracy: ending at once.
@@ -28,8 +36,8 @@ from typing import Any, Callable
 
 from rpa.errors import UserError, looks_like_hub_id
 
-TASKS = ("synthetic-add", "count", "eos-sanity", "gsm8k", "math")
-SYNTHETIC = ("synthetic-add", "count", "eos-sanity")
+TASKS = ("synthetic-add", "count", "walk", "eos-sanity", "gsm8k", "math")
+SYNTHETIC = ("synthetic-add", "count", "walk", "eos-sanity")
 DATA_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """``datasets`` builder names that read local ``data_files``."""
 
@@ -51,7 +59,7 @@ class TaskSpec:
     max_operand: int = 9
     """synthetic-add: operands are drawn from 0..max_operand."""
     length: int = 32
-    """count: numbers per answer."""
+    """count, walk: numbers per answer."""
     eval_prompts: int = 0
     """Held-out prompts scored every ``eval_every`` steps of a run (0: no evaluation);
     synthetic tasks draw them with another seed, datasets take them from ``eval_split``."""
@@ -128,6 +136,57 @@ def count_rows(n: int, length: int, seed: int, held_out: bool = False) -> list[d
 
 _INTS = re.compile(r"-?\d+")
 
+WALK_STEPS = (1, 2, 3)
+"""``walk``: the step sizes allowed up or down (mod 100)."""
+WALK_HELD_OUT = 0.2
+"""Share of the 100 start numbers of ``walk`` kept for evaluation only."""
+
+
+def walk_rows(n: int, length: int, seed: int, held_out: bool = False) -> list[dict[str, str]]:
+    """``n`` prompts "walk from a:" with one random valid walk each as the answer (starts are
+    split once, by ``seed``, into training and held-out starts; a start recurs with other walks)."""
+    starts = list(range(100))
+    random.Random(seed).shuffle(starts)
+    cut = int(len(starts) * WALK_HELD_OUT)
+    pool = starts[:cut] if held_out else starts[cut:]
+    rng = random.Random(seed + (1 if held_out else 0))
+    rows = []
+    for _ in range(n):
+        x = start = rng.choice(pool)
+        walk = []
+        for _ in range(length):
+            x = (x + rng.choice(WALK_STEPS) * rng.choice((1, -1))) % 100
+            walk.append(str(x))
+        rows.append({"prompt": f"walk from {start}:", "answer": " ".join(walk)})
+    return rows
+
+
+def _walk_valid(prompt: str, completion) -> list[bool]:
+    start = int(_INTS.findall(prompt)[-1])
+    got = [int(x) for x in _INTS.findall(_text(completion))]
+    valid, prev = [], start
+    for x in got:
+        valid.append(0 <= x < 100 and (x - prev) % 100 in {s % 100 for s in WALK_STEPS} | {-s % 100 for s in WALK_STEPS})
+        prev = x
+    return valid
+
+
+def walk_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """Share of the ``length`` positions (the answer's) that are a valid step from the number
+    before; numbers past ``length`` do not count."""
+    out = []
+    for prompt, completion, gold in zip(prompts, completions, answer):
+        length = len(gold.split())
+        out.append(sum(_walk_valid(_text(prompt), completion)[:length]) / length)
+    return out
+
+
+def walk_correct(completion, gold: str, completion_ids=None, prompt: str | None = None) -> bool:
+    if prompt is None:
+        raise ValueError("walk: correctness depends on the prompt's start number; pass prompt=")
+    valid = _walk_valid(prompt, completion)
+    return len(valid) == len(gold.split()) and all(valid)
+
 
 def count_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """Share of the answer's positions where the completion has the right number."""
@@ -138,7 +197,7 @@ def count_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
-def count_correct(completion, gold: str, completion_ids=None) -> bool:
+def count_correct(completion, gold: str, completion_ids=None, prompt=None) -> bool:
     return _INTS.findall(_text(completion)) == gold.split()
 
 
@@ -147,11 +206,11 @@ def eos_sanity_reward(prompts, completions, completion_ids, **kwargs) -> list[fl
     return [1.0 / max(len(ids), 1) for ids in completion_ids]
 
 
-def eos_sanity_correct(completion, gold: str, completion_ids=None) -> bool:
+def eos_sanity_correct(completion, gold: str, completion_ids=None, prompt=None) -> bool:
     return completion_ids is not None and len(completion_ids) <= 1
 
 
-def exact_int_correct(completion, gold: str, completion_ids=None) -> bool:
+def exact_int_correct(completion, gold: str, completion_ids=None, prompt=None) -> bool:
     match = _FIRST_INT.search(_text(completion))
     return match is not None and match.group() == str(gold).strip()
 
@@ -175,7 +234,7 @@ def gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
-def math_verify_correct(completion, gold: str, completion_ids=None) -> bool:
+def math_verify_correct(completion, gold: str, completion_ids=None, prompt=None) -> bool:
     return math_verify_reward(None, [completion], [gold])[0] == 1.0
 
 
@@ -216,7 +275,7 @@ def _load_rows(spec: TaskSpec, question_key: str, answer_key: str, split: str | 
 @dataclass(frozen=True)
 class Task:
     """Rows (``prompt``, ``answer``) to train on, held-out rows to evaluate on, TRL's reward
-    function and a per-completion accuracy ``correct(completion, answer, completion_ids)``."""
+    function and a per-completion accuracy ``correct(completion, answer, completion_ids, prompt)``."""
 
     rows: list[dict[str, str]]
     eval_rows: list[dict[str, str]]
@@ -236,6 +295,9 @@ def build_task(spec: TaskSpec) -> Task:
             (eos_sanity_reward, eos_sanity_correct)
         return Task(count_rows(spec.num_prompts, spec.length, spec.seed),
                     count_rows(spec.eval_prompts, spec.length, spec.seed, held_out=True), reward, correct)
+    if spec.name == "walk":
+        return Task(walk_rows(spec.num_prompts, spec.length, spec.seed),
+                    walk_rows(spec.eval_prompts, spec.length, spec.seed, held_out=True), walk_reward, walk_correct)
     if spec.name == "gsm8k":
         def gsm8k(rows):
             return [{"prompt": f"{r['question']}\nAnswer:", "answer": gsm8k_gold(r["answer"])} for r in rows]

@@ -23,6 +23,9 @@ IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_t
 
 OLD_LOGPROBS = ("trainer", "sampler")
 
+LR_SCHEDULES = ("linear", "constant", "cosine")
+"""``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
+
 SCALE_REWARDS = ("group", "batch", "none")
 """TRL ``scale_rewards``: what GRPO divides the centred rewards by (group std, batch std, nothing)."""
 
@@ -87,6 +90,20 @@ class TrainConfig:
     """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
     ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
     them: the mismatch reaches the clip -- "phantom clipping")."""
+    lr_scheduler_type: str = "linear"
+    """Learning-rate schedule over ``steps`` (transformers' ``lr_scheduler_type``): ``linear``
+    (TRL's default, decays to 0 at the last step), ``constant`` (as the published BF16
+    collapses trained), ``cosine``."""
+    updates_per_generation: int = 1
+    """Optimizer steps per generated batch: vLLM samples ``updates_per_generation x
+    prompts_per_step`` prompts at once and the trainer takes that many steps on them in turn
+    (TRL ``steps_per_generation``), so all but the first update are off-policy (old != current)."""
+    num_iterations: int = 1
+    """Updates on each batch (TRL ``num_iterations``, GRPO's mu): > 1 reuses a batch, so the PPO
+    ratio moves away from 1 and the clip acts."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the held-out evaluation (0: greedy), separate from ``temperature``
+    (training's)."""
     scale_rewards: str = "group"
     """TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean,
     divided by the group's std, so a group whose rewards differ by 0.01 still gets unit-size
@@ -127,6 +144,16 @@ class TrainConfig:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
             raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise TrainConfigError(f"lr_scheduler_type: {self.lr_scheduler_type!r} is not one of "
+                                   f"{', '.join(LR_SCHEDULES)}")
+        for name in ("updates_per_generation", "num_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TrainConfigError(f"{name}: must be an integer >= 1, got {value!r}")
+        if isinstance(self.eval_temperature, bool) or not isinstance(self.eval_temperature, (int, float)) \
+                or not self.eval_temperature >= 0:
+            raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
         if self.old_logprobs not in OLD_LOGPROBS:

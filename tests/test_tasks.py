@@ -70,3 +70,27 @@ def test_eos_sanity_rewards_ending_at_once():
     task = build_task(TaskSpec(name="eos-sanity", num_prompts=4))
     assert task.reward(None, ["", "a b", "x"], completion_ids=[[2], [5, 6, 2], [7] * 10]) == [1.0, 1 / 3, 0.1]
     assert task.correct("", "", [2]) and not task.correct("a", "", [5, 2])
+
+
+def test_walk_has_many_right_answers_and_scores_steps():
+    """walk: any walk of +-1..3 steps is right, so the best policy can stay stochastic; the
+    warm-start rows are random walks, several per start; held-out starts are not trained on."""
+    from rpa.tasks import TaskSpec, build_task
+
+    task = build_task(TaskSpec(name="walk", num_prompts=400, length=8, eval_prompts=50, seed=0))
+    starts = {r["prompt"] for r in task.rows}
+    assert len(starts) <= 80 and not starts & {r["prompt"] for r in task.eval_rows}
+    answers = {}
+    for r in task.rows:
+        answers.setdefault(r["prompt"], set()).add(r["answer"])
+    assert max(len(a) for a in answers.values()) > 1  # several right answers per prompt
+    prompt = "walk from 98:"
+    for completion, reward in [(" 99 1 4 2 99 96 95 97", 1.0), (" 0 1 2 3 4 5 6 7", 1.0), (" 0 5 6 7 8 9 10 11", 0.875),  # 98 -> 0: +2 ok
+                               (" 99 1 4 9 10 11 12 13", 0.875), (" 50", 0.0), ("", 0.0),
+                               (" 99 1 4 2 99 96 95 97 98 99", 1.0)]:
+        assert task.reward([prompt], [completion], ["1 2 3 4 5 6 7 8"]) == [reward], completion
+    assert task.correct(" 99 1 4 2 99 96 95 97", "1 2 3 4 5 6 7 8", prompt=prompt)
+    assert not task.correct(" 99 1 4 2 99 96 95 97 98", "1 2 3 4 5 6 7 8", prompt=prompt)  # too long
+    assert not task.correct(" 99 1 4 9 10 11 12 13", "1 2 3 4 5 6 7 8", prompt=prompt)
+    with pytest.raises(ValueError, match="pass prompt="):
+        task.correct(" 99", "1", None)

@@ -35,6 +35,11 @@ BASE = {
     ({"collapse": {"drop_fraction": 2}}, "collapse: drop_fraction"),
     ({"vllm_enforce_eager": "yes"}, "vllm_enforce_eager: must be true or false"),
     ({"scale_rewards": "std"}, "scale_rewards: 'std' is not one of group, batch, none"),
+    ({"lr_scheduler_type": "step"}, "lr_scheduler_type: 'step' is not one of linear, constant, cosine"),
+    ({"updates_per_generation": 0}, "updates_per_generation: must be an integer >= 1, got 0"),
+    ({"num_iterations": 1.5}, "num_iterations: must be an integer >= 1, got 1.5"),
+    ({"eval_temperature": -1}, "eval_temperature: must be a number >= 0, got -1"),
+    ({"task": {"name": "walk", "length": 0}}, "task: num_prompts, max_operand and length must be >= 1"),
 ])
 def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
     cfg = tmp_path / "run.yaml"
@@ -59,6 +64,22 @@ def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_pat
     del old["scale_rewards"]
     assert same_config(old, default) and not same_config(old, cfg)
     assert not same_config({**old, "steps": 7}, default) and not same_config({**old, "bogus": 1}, default)
+
+
+def test_off_policy_and_schedule_knobs_reach_trl(tmp_path):
+    """updates_per_generation counts optimizer steps (TRL's steps_per_generation counts
+    micro-batches), num_iterations is GRPO's mu, the schedule and eval temperature are data."""
+    from rpa.grpo import _grpo_args
+
+    cfg = TrainConfig.from_dict({"model": "m", **BASE, "updates_per_generation": 3, "num_iterations": 2,
+                                 "lr_scheduler_type": "constant", "per_device_train_batch_size": 8})
+    args = _grpo_args(cfg, tmp_path)
+    assert args.gradient_accumulation_steps == 2 and args.steps_per_generation == 6  # 3 updates x 2 micro-batches
+    assert args.generation_batch_size == 3 * cfg.completions_per_step and args.num_iterations == 2
+    assert args.lr_scheduler_type == "constant"
+    default = _grpo_args(TrainConfig.from_dict({"model": "m", **BASE}), tmp_path)
+    assert default.steps_per_generation == default.gradient_accumulation_steps and default.num_iterations == 1
+    assert default.lr_scheduler_type == "linear" and TrainConfig.from_dict({"model": "m"}).eval_temperature == 0.0
 
 
 def test_config_round_trips_every_knob():
