@@ -1,7 +1,9 @@
 """Figures of a pipeline run (seaborn), from the tables written by :mod:`analysis.aggregate`.
 
-* ``mismatch``: mean |dlogp| per numerics configuration and model (log scale), with the
-  trainer's own batch-vs-batch-1 variance beside it;
+* ``mismatch``: mean |dlogp| per numerics configuration (log scale), one panel per model
+  (two per row, in the config's model order: ``--models``, else the study manifest's, else
+  the probe table's), blue bars vLLM vs trainer at batch 1, orange bars beside them the
+  trainer's own padded-batch-vs-batch-1 variance;
 * ``dlogp_vs_prob``: mean |dlogp| against the sampling probability of the token (binned
   by log10 p), one line per configuration, from the per-token tables;
 * ``layers``: per-layer, per-region-boundary mean |diff| of hidden states, vLLM vs trainer.
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import matplotlib
@@ -26,21 +29,42 @@ def save_grid(grid, path: Path, title: str | None = None) -> None:
     """Write a seaborn FacetGrid to ``path`` and free it."""
     if title:
         grid.figure.suptitle(title, y=1.02)
-    grid.savefig(path, bbox_inches="tight")
+    grid.savefig(path, bbox_inches="tight", dpi=150)
     plt.close(grid.figure)
 
 
-def mismatch_figure(probe: pd.DataFrame, path: Path) -> None:
-    long = probe.melt(id_vars=["model", "config"],
-                      value_vars=["mean_abs_dlogp", "batch_vs_single_mean_abs_dlogp"],
-                      var_name="gap", value_name="mean |dlogp|")
-    long["gap"] = long.gap.map({"mean_abs_dlogp": "vLLM vs trainer (batch 1)",
-                                "batch_vs_single_mean_abs_dlogp": "trainer: padded batch vs batch 1"})
+GAPS = {"mean_abs_dlogp": ("vLLM vs trainer (batch 1)", "tab:blue"),
+        "batch_vs_single_mean_abs_dlogp": ("trainer: padded batch vs batch 1", "tab:orange")}
+
+
+def model_order(results: Path, present: list[str], models: list[str] | None = None) -> list[str]:
+    """The models of ``present`` in the config's order: ``models`` where given, else the study
+    manifest's (smallest first), then any other in the order of ``present``."""
+    if not models:
+        manifest = results / "study" / "manifest.json"
+        models = json.loads(manifest.read_text()).get("models", []) if manifest.exists() else []
+    present = list(dict.fromkeys(present))
+    return [m for m in models if m in present] + [m for m in present if m not in models]
+
+
+def mismatch_figure(probe: pd.DataFrame, path: Path, models: list[str] | None = None) -> None:
+    long = probe.melt(id_vars=["model", "config"], value_vars=list(GAPS), var_name="gap", value_name="mean |dlogp|")
+    long["gap"] = long.gap.map({k: name for k, (name, _) in GAPS.items()})
+    order, configs = models or list(dict.fromkeys(probe["model"])), list(dict.fromkeys(probe["config"]))
     grid = sns.catplot(data=long, kind="bar", x="config", y="mean |dlogp|", hue="gap", col="model",
-                       height=4, aspect=1.6)
-    grid.set(yscale="log")
-    grid.set_xticklabels(rotation=60, ha="right")
-    save_grid(grid, path, "Mismatch per numerics configuration (same tokens for every configuration)")
+                       col_order=order, col_wrap=min(2, len(order)), order=configs,
+                       palette={name: colour for name, colour in GAPS.values()}, height=2.6, aspect=1.45,
+                       sharex=True)
+    grid.set(yscale="log", xlabel="")
+    grid.set_titles("{col_name}")
+    for ax in grid.axes.flat:
+        ax.set_xticks(range(len(configs)), configs, rotation=60, ha="right", rotation_mode="anchor", fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+    # one legend for every panel, above them (the rotated labels are below), titled with the figure's title
+    sns.move_legend(grid, "lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False,
+                    title="Mismatch per numerics configuration (same tokens for every configuration)")
+    grid.figure.tight_layout()
+    save_grid(grid, path)
 
 
 def dlogp_vs_prob_figure(results: Path, configs: list[str], path: Path) -> None:
@@ -81,12 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", required=True, type=Path)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--dlogp-configs", nargs="+", default=["none", "all"])
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="model order of the panels (default: the study manifest's, else the probe table's)")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sns.set_theme(style="whitegrid", context="paper")
     tables = args.results / "tables"
     probe = pd.read_csv(tables / "probe.csv")
-    mismatch_figure(probe, args.out_dir / f"mismatch.{args.format}")
+    mismatch_figure(probe, args.out_dir / f"mismatch.{args.format}",
+                    model_order(args.results, list(probe["model"]), args.models))
     dlogp_vs_prob_figure(args.results, args.dlogp_configs, args.out_dir / f"dlogp_vs_prob.{args.format}")
     try:
         diagnose = pd.read_csv(tables / "diagnose.csv")

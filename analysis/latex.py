@@ -1,13 +1,25 @@
-"""A booktabs table from a DataFrame, for the paper (no LaTeX engine needed to write it)."""
+"""A booktabs table from a DataFrame, for the paper (no LaTeX engine needed to write it).
+
+Every table fits the text width whatever its column count: the font shrinks with the number
+of columns, long headers wrap onto several lines (at spaces and after underscores), and a
+tabular still wider than ``\\linewidth`` is scaled down to it (``\\resizebox`` of graphicx,
+measured in a box first, so that a table that fits is never scaled).
+"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
 _ESCAPE = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
            "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}"}
+
+# a box for measuring the tabular; allocated once however many tables a document inputs
+_MEASURE = r"\ifdefined\rpatablebox\else\newsavebox{\rpatablebox}\fi"
+_FIT = (r"\ifdim\wd\rpatablebox>\linewidth\resizebox{\linewidth}{!}{\usebox{\rpatablebox}}"
+        r"\else\usebox{\rpatablebox}\fi")
 
 
 def escape(text: str) -> str:
@@ -22,12 +34,46 @@ def cell(value) -> str:
     return escape(value)
 
 
+def _plain(value) -> str:
+    """The text a cell shows (for measuring column widths)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "--"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def wrap_header(name: str, width: int) -> list[str]:
+    """``name`` in lines of at most ``width`` characters where it can break (after a space or
+    an underscore); a piece longer than ``width`` stays whole."""
+    pieces = [p for p in re.split(r"(?<=[ _])", str(name)) if p]
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and len(lines[-1]) + len(piece.rstrip()) <= width:
+            lines[-1] += piece
+        else:
+            lines.append(piece)
+    return [line.strip() for line in lines if line.strip()] or [""]
+
+
+def header(name: str, width: int) -> str:
+    lines = wrap_header(name, width)
+    if len(lines) == 1:
+        return escape(lines[0])
+    return r"\begin{tabular}[b]{@{}l@{}}" + r"\\".join(escape(line) for line in lines) + r"\end{tabular}"
+
+
+def font_for(columns: int) -> str:
+    return r"\small" if columns <= 7 else r"\footnotesize" if columns <= 10 else r"\scriptsize"
+
+
 def booktabs(df: pd.DataFrame, caption: str, label: str, align: str | None = None) -> str:
-    """``df`` as a ``table`` environment with ``\\toprule``/``\\midrule``/``\\bottomrule``."""
+    """``df`` as a ``table`` environment with ``\\toprule``/``\\midrule``/``\\bottomrule``,
+    no wider than the text (see the module's docstring)."""
     align = align or "l" * df.shape[1]
-    lines = [r"\begin{table}[t]", r"\centering", r"\small", f"\\caption{{{escape(caption)}}}",
-             f"\\label{{{label}}}", f"\\begin{{tabular}}{{{align}}}", r"\toprule",
-             " & ".join(escape(c) for c in df.columns) + r" \\", r"\midrule"]
+    widths = [max([len(_plain(v)) for v in df[c]] + [6]) for c in df.columns]
+    heads = [header(c, w) for c, w in zip(df.columns, widths)]
+    lines = [r"\begin{table}[tbp]", r"\centering", font_for(df.shape[1]), f"\\caption{{{escape(caption)}}}",
+             f"\\label{{{label}}}", _MEASURE, r"\sbox{\rpatablebox}{%", f"\\begin{{tabular}}{{{align}}}",
+             r"\toprule", " & ".join(heads) + r" \\", r"\midrule"]
     lines += [" & ".join(cell(v) for v in row) + r" \\" for row in df.itertuples(index=False)]
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    lines += [r"\bottomrule", r"\end{tabular}}%", _FIT, r"\end{table}"]
     return "\n".join(lines) + "\n"

@@ -1,7 +1,9 @@
 """The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper``.
 
-Writes ``claims.tex`` (the study's label, the commit the runs came from, and -- computed from
-the result tables -- which claims of the study reproduced at this scale) and, where the
+Writes ``claims.tex`` (the study's label, the commit the runs came from, the collapse rule as
+the runs were judged by it -- written by :func:`rpa.collapse.rule_text` from the thresholds in
+the runs' ``config.json``, one paragraph per distinct set of thresholds -- and, computed from
+the result tables, which claims of the study reproduced at this scale) and, where the
 positive control ran (in ``R`` or in ``--dose-results``: the dose grid and the study may live
 in different results directories), ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
 (searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
@@ -21,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.latex import booktabs, escape
+from rpa.collapse import CollapseThresholds, rule_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
@@ -74,6 +77,70 @@ def mismatch_claim(table: pd.DataFrame, arm: str, reference: str) -> str:
             f"{verdict}. {escape('; '.join(parts))}.")
 
 
+def _thresholds(config: Path) -> CollapseThresholds | None:
+    collapse = json.loads(config.read_text()).get("collapse") if config.exists() else None
+    return None if collapse is None else CollapseThresholds(**collapse)
+
+
+def _runs_text(cells: list[tuple[str, str, int]], models: list[str], arms: list[str],
+               seeds: dict[tuple[str, str], set]) -> str:
+    """The runs ``cells`` (model, arm, seed) in few words: whole arms, then model/arm pairs,
+    with their seeds where only some of a pair's seeds are in ``cells``."""
+    have: dict[tuple[str, str], set] = {}
+    for model, arm, seed in cells:
+        have.setdefault((model, arm), set()).add(seed)
+    whole = {pair for pair, s in have.items() if s == seeds.get(pair, s)}
+    parts = []
+    for arm in arms:
+        if all((m, arm) in whole for m in models):
+            parts.append(f"arm {arm} (every model)")
+            whole -= {(m, arm) for m in models}
+            have = {p: s for p, s in have.items() if p[1] != arm}
+    for (model, arm), s in have.items():
+        parts.append(f"{model}/{arm}" + ("" if (model, arm) in whole else
+                                         f" (seed{'s' if len(s) > 1 else ''} {', '.join(map(str, sorted(s)))})"))
+    return "; ".join(parts)
+
+
+def study_rule(results: Path, manifest: dict) -> tuple[str, set[CollapseThresholds]]:
+    """The collapse rule the study's runs were judged by (from their configs): one paragraph,
+    or, where runs used different thresholds, one per set with the runs that used it."""
+    by: dict[CollapseThresholds, list] = {}
+    seeds: dict[tuple[str, str], set] = {}
+    for c in manifest["cells"]:
+        seeds.setdefault((c["model"], c["arm"]), set()).add(c["seed"])
+        t = _thresholds(results / "study" / c["cell"] / "config.json")
+        if t is not None:
+            by.setdefault(t, []).append((c["model"], c["arm"], c["seed"]))
+    if not by:
+        return (rule_text(CollapseThresholds()) + " (The default thresholds: no run's config was found.)",
+                {CollapseThresholds()})
+    if len(by) == 1:
+        return rule_text(next(iter(by))), set(by)
+    text = [f"The runs were judged with {len(by)} different sets of thresholds."]
+    for i, (t, cells) in enumerate(sorted(by.items(), key=lambda kv: -len(kv[1])), 1):
+        text.append(f"({i}) For {_runs_text(cells, manifest['models'], manifest['arms'], seeds)}: {rule_text(t)}")
+    return " ".join(text), set(by)
+
+
+def dose_rule(dose_results: Path, study: set[CollapseThresholds]) -> str:
+    """The collapse rule of the dose grid's runs, said in full only where it is not the study's."""
+    by: dict[CollapseThresholds, list[str]] = {}
+    for config in sorted(dose_results.glob("dose/*/*/seed*/config.json")):
+        t = _thresholds(config)
+        if t is not None:
+            by.setdefault(t, []).append(config.parts[-4])
+    if not by:
+        return ""
+    if set(by) == study and len(by) == 1:
+        return "Its runs were judged by the same collapse rule as the study's."
+    if len(by) == 1:
+        return f"Its runs were judged by this collapse rule: {rule_text(next(iter(by)))}"
+    parts = [f"For arm{'s' if len(set(arms)) > 1 else ''} {', '.join(dict.fromkeys(arms))}: {rule_text(t)}"
+             for t, arms in by.items()]
+    return f"Its runs were judged with {len(by)} different sets of thresholds. " + " ".join(parts)
+
+
 def dose_parts(results: Path, out_dir: Path) -> str:
     runs_path = results / "tables" / "dose_runs.csv"
     if not runs_path.exists():
@@ -82,10 +149,15 @@ def dose_parts(results: Path, out_dir: Path) -> str:
 
     runs = pd.read_csv(runs_path)
     per_group = groups(runs)
-    cols = ["arm", "is_correction", "old_logprobs", "runs", "collapsed", "mean_abs_dlogp", "phantom_clip_rate",
-            "final_reward"]
-    (out_dir / "dose_table.tex").write_text(booktabs(per_group[cols], "Positive control per arm (mean over seeds)",
-                                                     "tab:dose"))
+    cols = ["arm", "is_correction", "old_logprobs", "runs", "collapsed", "unconfirmed", "grad_spike_runs",
+            "mean_abs_dlogp", "phantom_clip_rate", "final_reward"]
+    window = int(per_group["mismatch_steps"].dropna().iloc[0]) if per_group["mismatch_steps"].notna().any() else None
+    over = f"over steps 1-{window}" if window else "over all steps"
+    (out_dir / "dose_table.tex").write_text(booktabs(
+        per_group[[c for c in cols if c in per_group]],
+        f"Positive control per arm (mean over seeds; mean_abs_dlogp and phantom_clip_rate {over} of each run, "
+        f"before any collapse; grad_spike_runs: runs with a gradient-norm spike, an event, not a collapse)",
+        "tab:dose"))
     lines = statement(thresholds(runs), anchor_positions(runs))
     return "\\begin{itemize}" + "".join(f"\\item {escape(line.removeprefix('- '))}" for line in lines) + \
         "\\end{itemize}"
@@ -108,12 +180,15 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None)
              collapse_claim(collapse, "rope", "RoPE alone suffices", ref),
              mismatch_claim(mismatch, "all", ref), mismatch_claim(mismatch, "rope", ref)]
     dose = dose_parts(dose_results or results, out_dir)
+    rule, used = study_rule(results, manifest)
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
              f"{', '.join(map(str, manifest['seeds']))}.")
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
             f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
             f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",
             f"\\newcommand{{\\setupnote}}{{{escape(setup)}}}",
+            f"\\newcommand{{\\collapserule}}{{{escape(rule)}}}",
+            f"\\newcommand{{\\doserule}}{{{escape(dose_rule(dose_results or results, used))}}}",
             "\\newcommand{\\claims}{\\begin{itemize}" + "\n".join(items) + "\\end{itemize}}",
             f"\\newcommand{{\\dosenote}}{{{dose}}}"]
     path = out_dir / "claims.tex"

@@ -7,16 +7,33 @@ error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
 
 Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
 
-* ``study_collapse``: per model x arm: runs, finished, collapsed, median collapse step,
-  peak and final (smoothed) reward, final eval accuracy (mean +- sd over seeds);
+* ``study_collapse``: per model x arm: runs, finished, collapsed (``k/n`` of the finished
+  runs), unconfirmed (a drop that reached the end of the run before the persistence window:
+  shown, never counted as stable), grad-norm spike events (summed over the runs), median
+  collapse step, peak and final (smoothed) reward, final eval accuracy (mean +- sd over seeds).
+  The LaTeX version leaves out failed/missing/peak reward to fit a page's width.
+* ``study_sensitivity``: per model x arm, the collapsed count (and unconfirmed count) under
+  each variation of :func:`rpa.collapse.sensitivity_settings` (drop fraction 0.4 / 0.5 / 0.6;
+  half and twice the persistence window).
 * ``study_mismatch``: per model x arm: the offline probe's ``mean_abs_dlogp`` and ``kl_k3``
   on identical tokens (where a probe configuration has the arm's name) with the change vs
-  the reference arm and its paired bootstrap 95% interval over sequences, and the same two
-  metrics measured during training (mean over steps, mean +- sd over seeds).
+  the reference arm and its paired bootstrap 95% interval over sequences
+  (:func:`analysis.paired.paired_change`); ``probe_note`` says why a row has no probe change:
+  the reference itself, an arm without a probe configuration, or a configuration that differs
+  from the reference only in ``trainer_positions`` ("n/a (unpadded probe)": the probe scores
+  each sequence unpadded, so TRL's left-padding position shift never happens there). Then the
+  same two metrics during training (mean over steps, mean +- sd over seeds), and the **paired
+  in-training change** of ``mismatch/mean_abs_dlogp`` vs the reference arm: per seed, the
+  geometric-mean ratio over the steps both runs logged (same seed, same step); then the mean of
+  the per-seed log-ratios with a 95% t-interval over seeds (df = seeds - 1; t = 4.303 for three
+  seeds), as ``exp(.) - 1`` (columns ``train_mean_abs_dlogp_change/_low/_high``, and
+  ``train_paired_seeds``).
 
-Figures under ``RESULTS/figures``: ``study_rewards`` (reward and eval accuracy vs step per
-size, mean and band over seeds), ``study_mismatch_curves`` (in-training mismatch, log
-scale), ``study_heatmap`` (collapsed share per size x arm; missing cells grey).
+Figures under ``RESULTS/figures``: ``study_rewards`` (reward vs step per size, mean and sd
+band over seeds clipped to [0, 1]; eval accuracy at its few eval steps, mean and sd error
+bars), ``study_mismatch_curves`` (in-training mismatch, log scale), ``study_heatmap``
+(collapsed share per size x arm; missing cells grey). One colour per arm everywhere
+(:func:`arm_colors`), one legend per figure.
 """
 
 from __future__ import annotations
@@ -34,9 +51,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
-from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
-
-BOOTSTRAP = 2000
+from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
+from rpa.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -57,9 +73,13 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
             row["error"] = summary.get("error")
             if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
                 cfg = json.loads((run / "config.json").read_text())
-                v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
-                row.update({k: v.get(k) for k in ("collapsed", "verdict", "collapse_step", "steps", "peak_reward",
+                thresholds = CollapseThresholds(**cfg["collapse"])
+                v = run_verdict(metrics, thresholds, summary)
+                row.update({k: v.get(k) for k in ("collapsed", "verdict", "collapse_step", "recovered_step",
+                                                  "unconfirmed_drop_step", "grad_spikes", "steps", "peak_reward",
                                                   "final_reward")})
+                row["sensitivity"] = sensitivity(metrics, thresholds, summary)
+                row["persistence"] = thresholds.min_steps_after_drop
         if summary is not None and metrics:
             m = pd.DataFrame(metrics)
             row.update(train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
@@ -80,101 +100,218 @@ def _mean_sd(values: pd.Series) -> str:
     return f"{v.mean():.3g}" if len(v) == 1 else f"{v.mean():.3g} ± {v.std():.2g}"
 
 
+def _verdict_count(done: pd.DataFrame, verdict: str) -> int:
+    return int((done["verdict"] == verdict).sum()) if "verdict" in done else 0
+
+
 def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
+    """Per model x arm: runs, finished, failed, missing, ``collapsed`` (``k/n`` of the finished
+    runs), ``unconfirmed`` (finished runs whose drop reached the end before the persistence
+    window), ``grad_spikes`` (spike events summed over the finished runs), median collapse step,
+    peak / final reward and final eval accuracy (mean +- sd over seeds)."""
     rows = []
     for model in manifest["models"]:
         for arm in manifest["arms"]:
             g = runs[(runs.model == model) & (runs.arm == arm)]
             done = g[g.state == "finished"]
             collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(dtype=bool)
+            spikes = done["grad_spikes"].dropna() if "grad_spikes" in done else pd.Series(dtype=float)
             rows.append({"model": model, "arm": arm, "runs": len(g), "finished": len(done),
                          "failed": int((g.state == "failed").sum()), "missing": int((g.state == "missing").sum()),
                          "collapsed": f"{int(collapsed.sum())}/{len(done)}" if len(done) else "--",
+                         "unconfirmed": _verdict_count(done, "unconfirmed") if len(done) else None,
+                         "grad_spikes": int(spikes.sum()) if len(spikes) else None,
                          "median_collapse_step": float(done.loc[collapsed, "collapse_step"].median())
                          if collapsed.any() else None,
                          "peak_reward": _mean_sd(done.get("peak_reward", pd.Series(dtype=float))),
                          "final_reward": _mean_sd(done.get("final_reward", pd.Series(dtype=float))),
                          "final_eval_accuracy": _mean_sd(done.get("final_eval_accuracy", pd.Series(dtype=float)))})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).astype({"unconfirmed": "Int64", "grad_spikes": "Int64"})
 
 
-def _per_sequence(tokens: pd.DataFrame) -> pd.DataFrame:
-    d = tokens["logp_trainer"] - tokens["logp_sampler"]
-    frame = pd.DataFrame({"seq": tokens["seq"], "abs": d.abs(), "k3": np.exp(d) - 1 - d})
-    return frame.groupby("seq").agg(abs_sum=("abs", "sum"), k3_sum=("k3", "sum"), n=("abs", "size"))
-
-
-def paired_change(arm_tokens: pd.DataFrame, ref_tokens: pd.DataFrame, seed: int = 0) -> dict:
-    """Relative change of the token-mean |dlogp| and kl_k3 vs the reference on the same
-    tokens, with a paired bootstrap over sequences (95% percentile interval)."""
-    a, r = _per_sequence(arm_tokens), _per_sequence(ref_tokens)
-    common = a.index.intersection(r.index)
-    a, r = a.loc[common], r.loc[common]
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(common), (BOOTSTRAP, len(common)))
-    out = {}
-    for key, col in (("mean_abs_dlogp", "abs_sum"), ("kl_k3", "k3_sum")):
-        num_a, num_r, n = a[col].to_numpy(), r[col].to_numpy(), a["n"].to_numpy()
-        point = num_a.sum() / num_r.sum() - 1
-        boot = num_a[idx].sum(1) / num_r[idx].sum(1) - 1
-        lo, hi = np.percentile(boot, [2.5, 97.5])
-        out[key] = {"value": float(num_a.sum() / n.sum()), "change": float(point), "low": float(lo),
-                    "high": float(hi)}
+def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
+    """The collapse table for the paper: few, short columns (runs that failed or are missing
+    show as a finished count below the runs; peak reward is in the CSV and Markdown only)."""
+    out = pd.DataFrame({"model": table["model"], "arm": table["arm"]})
+    if (table["finished"] != table["runs"]).any():
+        out["finished"] = [f"{f}/{r}" for f, r in zip(table["finished"], table["runs"])]
+    out["collapsed"] = table["collapsed"]
+    out["unconf."] = table["unconfirmed"].astype(object).where(table["unconfirmed"].notna(), None)
+    out["spikes"] = table["grad_spikes"].astype(object).where(table["grad_spikes"].notna(), None)
+    out["step"] = [None if pd.isna(v) else f"{v:g}" for v in table["median_collapse_step"]]
+    out["final reward"] = table["final_reward"]
+    out["eval accuracy"] = table["final_eval_accuracy"]
     return out
 
 
-def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
+def sensitivity_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
+    """Per model x arm and per variation of :func:`rpa.collapse.sensitivity_settings`: the
+    number of finished runs collapsed (``<label> collapsed``) and unconfirmed
+    (``<label> unconfirmed``) under it."""
+    labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
+    rows = []
+    for model in manifest["models"]:
+        for arm in manifest["arms"]:
+            done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
+            sens = [s for s in done.get("sensitivity", pd.Series(dtype=object)) if isinstance(s, dict)]
+            row = {"model": model, "arm": arm, "finished": len(done), "judged": len(sens)}
+            for label in labels:
+                verdicts = [s.get(label, "missing") for s in sens]
+                row[f"{label} collapsed"] = verdicts.count("collapsed")
+                row[f"{label} unconfirmed"] = verdicts.count("unconfirmed")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def readable_sensitivity(table: pd.DataFrame) -> pd.DataFrame:
+    """``k/n`` collapsed per variation, ``k/n (u unconf.)`` where some drops were unconfirmed."""
+    out = table[["model", "arm"]].copy()
+    labels = [c.removesuffix(" collapsed") for c in table.columns if c.endswith(" collapsed")]
+    for label in labels:
+        out[label] = [f"{k}/{n}" + (f" ({u} unconf.)" if u else "") if n else "--"
+                      for k, u, n in zip(table[f"{label} collapsed"], table[f"{label} unconfirmed"], table["judged"])]
+    return out
+
+
+def _probe_numerics(results: Path, model: str, config: str) -> dict | None:
+    path = results / "probe" / model / config / "summary.json"
+    return json.loads(path.read_text())["config"].get("numerics") if path.exists() else None
+
+
+def _run_numerics(results: Path, manifest: dict, model: str, arm: str) -> dict | None:
+    for c in manifest["cells"]:
+        path = results / "study" / c["cell"] / "config.json"
+        if c["model"] == model and c["arm"] == arm and path.exists():
+            return json.loads(path.read_text()).get("numerics")
+    return None
+
+
+def train_change(curves: pd.DataFrame, runs: pd.DataFrame, model: str, arm: str, ref: str,
+                 key: str = "mismatch/mean_abs_dlogp") -> dict:
+    """The paired in-training change of ``key`` of ``arm`` vs ``ref`` for one model: per seed
+    with both runs finished, the geometric-mean ratio over the steps both logged; then the mean
+    log-ratio over seeds with a 95% t-interval (:func:`analysis.paired.t_change`)."""
+    if curves.empty or key not in curves:
+        return t_change([])
+    finished = runs[(runs.model == model) & (runs.state == "finished")]
+    seeds = sorted(set(finished.loc[finished.arm == arm, "seed"]) & set(finished.loc[finished.arm == ref, "seed"]))
+    of = curves[curves.model == model]
+    ratios = [seed_log_ratio(of[(of.arm == arm) & (of.seed == s)], of[(of.arm == ref) & (of.seed == s)], key)[0]
+              for s in seeds]
+    return t_change(ratios)
+
+
+def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
+                   curves: pd.DataFrame | None = None) -> pd.DataFrame:
     ref = manifest["reference_arm"]
+    curves = pd.DataFrame() if curves is None else curves
     rows = []
     for model in manifest["models"]:
         ref_path = results / "probe" / model / ref / "tokens.csv"
         ref_tokens = pd.read_csv(ref_path) if ref_path.exists() else None
+        ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(results, manifest, model, ref)
         for arm in manifest["arms"]:
-            row = {"model": model, "arm": arm}
+            row = {"model": model, "arm": arm, "probe_note": None}
             path = results / "probe" / model / arm / "tokens.csv"
-            if path.exists() and ref_tokens is not None:
+            numerics = _probe_numerics(results, model, arm) or _run_numerics(results, manifest, model, arm)
+            if arm != ref and positions_only(numerics, ref_numerics):
+                row["probe_note"] = "n/a (unpadded probe)"
+            elif path.exists() and ref_tokens is not None:
                 change = paired_change(pd.read_csv(path), ref_tokens)
                 for key, c in change.items():
                     row.update({f"probe_{key}": c["value"], f"probe_{key}_change": c["change"],
                                 f"probe_{key}_low": c["low"], f"probe_{key}_high": c["high"]})
-            else:
-                row["probe_mean_abs_dlogp"] = None  # this arm's numerics equal another arm's (e.g. an IS arm)
+                if arm == ref:
+                    row["probe_note"] = "reference"
+                    for key in change:
+                        row.update({f"probe_{key}_change": None, f"probe_{key}_low": None, f"probe_{key}_high": None})
+            elif path.exists() or (results / "probe" / model / arm).exists():
+                row["probe_note"] = f"no tokens.csv (or none for {ref})"
+            else:  # no probe configuration of this arm's name (an IS arm: the numerics of another arm)
+                same = numerics is not None and numerics == _run_numerics(results, manifest, model, ref)
+                row["probe_note"] = f"no probe (numerics of {ref})" if same and arm != ref else "no probe"
             done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
             row["train_mean_abs_dlogp"] = _mean_sd(done.get("train_mean_abs_dlogp", pd.Series(dtype=float)))
             row["train_kl_k3"] = _mean_sd(done.get("train_kl_k3", pd.Series(dtype=float)))
+            if arm != ref:
+                tc = train_change(curves, runs, model, arm, ref)
+                row.update(train_mean_abs_dlogp_change=tc["change"], train_mean_abs_dlogp_low=tc["low"],
+                           train_mean_abs_dlogp_high=tc["high"], train_paired_seeds=tc["pairs"])
             rows.append(row)
     cols = ["model", "arm"] + [f"probe_{k}{s}" for k in ("mean_abs_dlogp", "kl_k3") for s in ("", "_change", "_low",
                                                                                           "_high")] + \
-        ["train_mean_abs_dlogp", "train_kl_k3"]
-    return pd.DataFrame(rows).reindex(columns=cols)
+        ["probe_note", "train_mean_abs_dlogp", "train_kl_k3", "train_mean_abs_dlogp_change", "train_mean_abs_dlogp_low",
+         "train_mean_abs_dlogp_high", "train_paired_seeds"]
+    return pd.DataFrame(rows).reindex(columns=cols).astype({"train_paired_seeds": "Int64"})
 
 
-def readable_mismatch(table: pd.DataFrame) -> pd.DataFrame:
+def _probe_cell(table: pd.DataFrame, key: str) -> list[str]:
+    return [note if isinstance(note, str) and pd.isna(c) and note.startswith(("n/a", "reference")) else
+            fmt_change(c, lo, hi)
+            for note, c, lo, hi in zip(table["probe_note"], table[f"probe_{key}_change"], table[f"probe_{key}_low"],
+                                       table[f"probe_{key}_high"])]
+
+
+def _train_cell(table: pd.DataFrame, ref: str | None) -> list[str]:
+    return ["reference" if arm == ref else fmt_change(c, lo, hi)
+            for arm, c, lo, hi in zip(table["arm"], table["train_mean_abs_dlogp_change"],
+                                      table["train_mean_abs_dlogp_low"], table["train_mean_abs_dlogp_high"])]
+
+
+def readable_mismatch(table: pd.DataFrame, ref: str | None = None) -> pd.DataFrame:
     """The mismatch table for people: each change as ``+x.x% [lo, hi]``."""
     out = table[["model", "arm"]].copy()
     for key in ("mean_abs_dlogp", "kl_k3"):
         out[f"probe {key}"] = table[f"probe_{key}"]
-        out[f"{key} change (95% CI)"] = [
-            "--" if pd.isna(c) else f"{100 * c:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-            for c, lo, hi in zip(table[f"probe_{key}_change"], table[f"probe_{key}_low"], table[f"probe_{key}_high"])]
+        out[f"{key} change (95% CI)"] = _probe_cell(table, key)
     out["train mean_abs_dlogp"] = table["train_mean_abs_dlogp"]
     out["train kl_k3"] = table["train_kl_k3"]
+    out["train mean_abs_dlogp change (95% CI)"] = _train_cell(table, ref)
     return out
+
+
+def latex_mismatch(table: pd.DataFrame, ref: str | None = None) -> pd.DataFrame:
+    """The mismatch table for the paper: the probe's mean |dlogp| and its change, and the
+    paired in-training change (kl_k3 and the per-arm in-training means are in the CSV and
+    Markdown only)."""
+    return pd.DataFrame({"model": table["model"], "arm": table["arm"],
+                         "probe abs dlogp": table["probe_mean_abs_dlogp"],
+                         "probe change (95% CI)": _probe_cell(table, "mean_abs_dlogp"),
+                         "training change (95% CI)": _train_cell(table, ref)})
 
 
 # --------------------------------------------------------------------------- figures
 
 
+# tab10's ten, then colours unlike any of them (tab20 paired the arms as light and dark shades
+# of one hue); past these, evenly spaced hues
+_EXTRA_COLOURS = ("#000000", "#ff00ff", "#000080", "#7f0000", "#00ff00")
+
+
 def arm_colors(arms: list[str]) -> dict[str, tuple]:
-    """One colour per arm, the same in every panel and figure, no two arms alike (tab10 repeats
-    after ten; the study has twelve arms)."""
-    cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
-    return {arm: cmap(i % cmap.N) for i, arm in enumerate(arms)}
+    """One colour per arm, the same in every panel and figure, no two arms alike: tab10, then
+    black, magenta, navy, maroon, lime (each of these at least 0.4 from every other colour in
+    RGB, farther than tab10's own closest pair; a mustard was too near its orange and olive)."""
+    from matplotlib.colors import hsv_to_rgb, to_rgba
+
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + [to_rgba(c) for c in _EXTRA_COLOURS]
+    more = len(arms) - len(palette)
+    palette += [to_rgba(hsv_to_rgb((k / max(more, 1), 0.9, 0.6))) for k in range(max(more, 0))]
+    return {arm: palette[i] for i, arm in enumerate(arms)}
 
 
-def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, color, window: int = 1, log: bool = False) -> None:
+def arm_styles(arms: list[str]) -> dict[str, dict]:
+    """Colour (:func:`arm_colors`), line style and marker per arm: arms past tab10's ten are
+    dashed with square markers, so that they differ from the first ten in two ways."""
+    return {arm: {"color": c, "ls": "-" if i < 10 else "--", "marker": "o" if i < 10 else "s"}
+            for i, (arm, c) in enumerate(arm_colors(arms).items())}
+
+
+def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, color, window: int = 1, log: bool = False,
+          bounds: tuple[float, float] | None = None, ls: str = "-") -> None:
     """Mean over seeds and a band of one standard deviation; with ``log``, both in log10 space
-    (geometric mean, band x/÷ 10^sd), so that the band of a log-scale axis never crosses zero."""
+    (geometric mean, band x/÷ 10^sd), so that the band of a log-scale axis never crosses zero;
+    with ``bounds``, the band is clipped to them (a reward or an accuracy lies in [0, 1])."""
     frame = frame.sort_values(x)
     if window > 1:
         frame = frame.assign(**{y: frame.groupby("seed")[y].transform(lambda s: s.rolling(window, 1).mean())})
@@ -185,49 +322,110 @@ def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, color, window: in
     mean = stats["mean"]
     if log:
         mean, low, high = 10 ** mean, 10 ** low, 10 ** high
-    ax.plot(stats[x], mean, label=label, lw=1.2, color=color)
-    ax.fill_between(stats[x], low, high, alpha=0.15, color=color)
+    if bounds is not None:
+        low, high = low.clip(*bounds), high.clip(*bounds)
+    ax.plot(stats[x], mean, label=label, lw=1.2, color=color, ls=ls)
+    ax.fill_between(stats[x], low, high, alpha=0.15, color=color, lw=0)
+
+
+def _points(ax, frame: pd.DataFrame, x: str, y: str, style: dict, offset: float,
+            bounds: tuple[float, float] | None = None) -> None:
+    """Mean over seeds at each ``x`` (shifted by ``offset``) with an error bar of one standard
+    deviation clipped to ``bounds``: for a metric measured at a few steps only (a band between
+    two points would draw values nobody measured); joined by a thin line where there are more
+    than two points."""
+    stats = frame.groupby(x)[y].agg(["mean", "std"]).reset_index().sort_values(x)
+    sd = stats["std"].fillna(0)
+    low, high = stats["mean"] - sd, stats["mean"] + sd
+    if bounds is not None:
+        low, high = low.clip(*bounds), high.clip(*bounds)
+    ax.errorbar(stats[x] + offset, stats["mean"], yerr=[stats["mean"] - low, high - stats["mean"]],
+                color=style["color"], marker=style["marker"], ms=3.5, lw=0.8 if len(stats) > 2 else 0,
+                ls=style["ls"], elinewidth=0.9, capsize=1.5)
+
+
+def _bounds(frame: pd.DataFrame, key: str) -> tuple[float, float] | None:
+    """(0, 1) where every value of ``key`` lies in it (a reward or an accuracy), else none."""
+    return (0.0, 1.0) if not frame.empty and key in frame and frame[key].dropna().between(0, 1).all() else None
 
 
 def _of(frame: pd.DataFrame, model: str, arm: str) -> pd.DataFrame:
     return frame if frame.empty else frame[(frame.model == model) & (frame.arm == arm)]
 
 
+def _legend(fig, styles: dict[str, dict], shown: set[str], markers: bool = False) -> None:
+    """One legend for the whole figure, below its panels (every arm drawn somewhere in it)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=s["color"], ls=s["ls"], lw=1.4, marker=s["marker"] if markers else None,
+                      ms=4, label=arm) for arm, s in styles.items() if arm in shown]
+    if handles:
+        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(handles), 6),
+                   fontsize=8, frameon=False, title="arm", title_fontsize=8)
+
+
 def _save(fig, path: Path) -> None:
+    """Write ``fig`` cropped to what it draws (a legend below the panels included) and free it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
 
 
 def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    models, colors = manifest["models"], arm_colors(manifest["arms"])
-    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
+    """Reward (smoothed over 5 steps; mean and sd band over seeds, clipped to [0, 1]) in the
+    top row, held-out accuracy (measured at a few steps: mean and sd error bars, the arms
+    dodged along the step axis) in the bottom row, one column per model; one legend."""
+    models, arms = manifest["models"], manifest["arms"]
+    styles = arm_styles(arms)
+    fig, axes = plt.subplots(2, len(models), figsize=(2.8 * len(models), 5.2), squeeze=False)
+    steps = evals["step"] if not evals.empty else pd.Series([0.0, 1.0])
+    dodge = 0.012 * max(float(steps.max() - steps.min()), 1.0)
+    shown: set[str] = set()
     for j, model in enumerate(models):
-        for arm in manifest["arms"]:
-            for row, frame, key, window in ((0, curves, "reward", 5), (1, evals, "eval/accuracy", 1)):
-                part = _of(frame, model, arm)
-                if not part.empty:
-                    _band(axes[row, j], part, "step", key, arm, colors[arm], window=window)
-        axes[0, j].set(title=model, ylabel="reward (smoothed, 5 steps)")
-        axes[1, j].set(xlabel="step", ylabel="held-out accuracy")
-    axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{label}: reward and accuracy, mean and band (sd) over seeds")
+        for i, arm in enumerate(arms):
+            part = _of(curves, model, arm)
+            if not part.empty:
+                _band(axes[0, j], part, "step", "reward", arm, styles[arm]["color"], window=5,
+                      bounds=_bounds(curves, "reward"), ls=styles[arm]["ls"])
+                shown.add(arm)
+            part = _of(evals, model, arm)
+            if not part.empty:
+                _points(axes[1, j], part, "step", "eval/accuracy", styles[arm], (i - (len(arms) - 1) / 2) * dodge,
+                        bounds=_bounds(evals, "eval/accuracy"))
+                shown.add(arm)
+        axes[0, j].set_title(model, fontsize=9)
+        axes[1, j].set_xlabel("step", fontsize=8)
+        for ax in axes[:, j]:
+            ax.tick_params(labelsize=7)
+    axes[0, 0].set_ylabel("reward (smoothed, 5 steps)", fontsize=8)
+    axes[1, 0].set_ylabel("held-out accuracy", fontsize=8)
+    fig.suptitle(f"{label}: reward (band: sd) and held-out accuracy (bars: sd) over seeds", fontsize=9)
+    fig.tight_layout()
+    _legend(fig, styles, shown, markers=True)
     _save(fig, path)
 
 
 def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    models, colors = manifest["models"], arm_colors(manifest["arms"])
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    models, arms = manifest["models"], manifest["arms"]
+    styles = arm_styles(arms)
+    fig, axes = plt.subplots(1, len(models), figsize=(2.8 * len(models), 2.9), squeeze=False)
+    shown: set[str] = set()
     for j, model in enumerate(models):
-        for arm in manifest["arms"]:
+        for arm in arms:
             part = _of(curves, model, arm)
             if not part.empty:
-                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, colors[arm], window=3, log=True)
-        axes[0, j].set(yscale="log", title=model, xlabel="step")
-    axes[0, 0].set_ylabel("in-training mean |dlogp|")
-    axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{label}: trainer-vs-sampler mismatch during training (geometric mean, band x/÷ one "
-                 f"sd of log10 over seeds)")
+                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, styles[arm]["color"], window=3,
+                      log=True, ls=styles[arm]["ls"])
+                shown.add(arm)
+        axes[0, j].set(yscale="log")
+        axes[0, j].set_title(model, fontsize=9)
+        axes[0, j].set_xlabel("step", fontsize=8)
+        axes[0, j].tick_params(labelsize=7)
+    axes[0, 0].set_ylabel("in-training mean |dlogp|", fontsize=8)
+    fig.suptitle(f"{label}: in-training mismatch (geometric mean over seeds, band x/÷ one sd of log10)",
+                 fontsize=9)
+    fig.tight_layout()
+    _legend(fig, styles, shown)
     _save(fig, path)
 
 
@@ -241,25 +439,32 @@ def heatmap(runs: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
             if len(done):
                 k = int(done["collapsed"].fillna(False).astype(bool).sum())
                 share[i, j], text[i][j] = k / len(done), f"{k}/{len(done)}"
-    fig, ax = plt.subplots(figsize=(1.0 * len(arms) + 2, 0.6 * len(models) + 1.8))
+    fig, ax = plt.subplots(figsize=(0.6 * len(arms) + 1.4, 0.42 * len(models) + 1.6))
     cmap = plt.get_cmap("Reds").copy()
     cmap.set_bad("lightgrey")
     ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     for i in range(len(models)):
         for j in range(len(arms)):
-            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(arms)), arms, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(len(models)), models, fontsize=8)
-    ax.set_title(f"{label}: collapsed runs / finished runs (grey: none finished)")
+            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(arms)), arms, rotation=45, ha="right", rotation_mode="anchor", fontsize=9)
+    ax.set_yticks(range(len(models)), models, fontsize=9)
+    ax.set_title(f"{label}:\ncollapsed runs / finished runs (grey: none finished)", fontsize=9)
     _save(fig, path)
 
 
-def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readable: pd.DataFrame | None = None) -> None:
-    """CSV (numbers), Markdown and LaTeX (``readable``, or the same table)."""
+def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readable: pd.DataFrame | None = None,
+                latex: pd.DataFrame | None = None) -> None:
+    """CSV (numbers), Markdown (``readable``, or the same table) and LaTeX (``latex``, a
+    narrower frame that fits a page's width, or the Markdown's)."""
     df.to_csv(tables / f"{name}.csv", index=False)
     shown = df if readable is None else readable
     (tables / f"{name}.md").write_text(f"### {caption}\n\n" + shown.to_markdown(index=False, floatfmt=".3g") + "\n")
-    (tables / f"{name}.tex").write_text(booktabs(shown, caption, f"tab:{name}"))
+    (tables / f"{name}.tex").write_text(booktabs(shown if latex is None else latex, caption, f"tab:{name}"))
+
+
+def _persistence_text(runs: pd.DataFrame) -> str:
+    windows = sorted({int(w) for w in runs.get("persistence", pd.Series(dtype=float)).dropna()})
+    return f" ({'/'.join(map(str, windows))} steps here)" if windows else ""
 
 
 def main() -> None:
@@ -273,13 +478,30 @@ def main() -> None:
     fig_dir.mkdir(parents=True, exist_ok=True)
     runs, curves, evals = load_runs(args.results, manifest)
     label = manifest["label"]
-    write_table(collapse_table(runs, manifest), tables, "study_collapse",
-                f"{label}: collapse per model and arm (verdicts recomputed from the metric logs)")
-    mismatch = mismatch_table(args.results, runs, manifest)
+    ref = manifest["reference_arm"]
+    collapse = collapse_table(runs, manifest)
+    write_table(collapse, tables, "study_collapse",
+                f"{label}: collapse per model and arm (verdicts recomputed from the metric logs): collapsed / "
+                f"finished runs; unconfirmed: runs whose reward drop reached the end of the run before the "
+                f"persistence window{_persistence_text(runs)}, not counted as stable; spikes: grad-norm spike "
+                f"events over the runs (events, not collapses); step: median collapse step; reward and "
+                f"accuracy at the end, mean ± sd over seeds",
+                latex=latex_collapse(collapse))
+    sens = sensitivity_table(runs, manifest)
+    write_table(sens, tables, "study_sensitivity",
+                f"{label}: collapsed / finished runs under variations of the collapse rule: drop fraction 0.4, "
+                f"0.5, 0.6 at each run's persistence window{_persistence_text(runs)}; persist /2, x2: each "
+                f"run's drop fraction at half and twice that window (unconf.: drops that reached the end "
+                f"before the window)", readable_sensitivity(sens))
+    mismatch = mismatch_table(args.results, runs, manifest, curves)
     write_table(mismatch, tables, "study_mismatch",
-                f"{label}: mismatch per arm, offline probe on identical tokens (change vs "
-                f"{manifest['reference_arm']} with a paired bootstrap 95% interval) and during training",
-                readable_mismatch(mismatch))
+                f"{label}: mismatch per arm vs {ref}. Probe: mean abs dlogp on identical tokens, change with a "
+                f"paired bootstrap 95% interval over sequences; n/a (unpadded probe): the arm differs from {ref} "
+                f"only in the trainer's positions, and the probe scores unpadded sequences, so the shift never "
+                f"happens there. Training: change of the in-training mean abs dlogp, per seed the geometric-mean "
+                f"ratio over the steps both runs logged, then the mean log-ratio over seeds with a 95% "
+                f"t-interval (df = seeds - 1)",
+                readable_mismatch(mismatch, ref), latex_mismatch(mismatch, ref))
     reward_figure(curves, evals, manifest, fig_dir / f"study_rewards.{args.format}", label)
     mismatch_figure(curves, manifest, fig_dir / f"study_mismatch_curves.{args.format}", label)
     heatmap(runs, manifest, fig_dir / f"study_heatmap.{args.format}", label)

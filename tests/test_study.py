@@ -153,12 +153,14 @@ def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
 
     res = tmp_path / "r"
     shutil.copytree(REFERENCE, res)
-    committed = (REFERENCE / "tables/study_collapse.csv").read_text()
+    committed = {name: (REFERENCE / f"tables/{name}").read_text()
+                 for name in ("study_collapse.csv", "study_sensitivity.csv")}
     for table in (res / "tables").glob("study_*"):
         table.unlink()
     proc = run_py(["-m", "analysis.study", "--results", str(res)])
     assert proc.returncode == 0, tail(proc)
-    assert (res / "tables/study_collapse.csv").read_text() == committed
+    for name, text in committed.items():
+        assert (res / f"tables/{name}").read_text() == text
     for name in ("rewards", "mismatch_curves", "heatmap"):
         assert (res / f"figures/study_{name}.png").stat().st_size > 10_000
     tex = (res / "tables/study_mismatch.tex").read_text()
@@ -200,7 +202,7 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
                    "--dose-results", str(dose)], timeout=600)
     claims = (res / "paper/claims.tex").read_text()
     assert "\\newcommand{\\claims}" in claims and "RoPE alone" in claims
-    assert "half-collapse threshold" in claims and (res / "paper/dose_table.tex").exists()
+    assert "half of the runs collapse at mismatch" in claims and (res / "paper/dose_table.tex").exists()
     if shutil.which("latexmk") and shutil.which("pdflatex"):
         assert proc.returncode == 0, tail(proc)
         assert (res / "paper/main.pdf").stat().st_size > 20_000
@@ -213,4 +215,140 @@ def test_every_arm_has_its_own_colour():
 
     arms = list(STUDY["study"]["arms"])
     colours = arm_colors(arms)
-    assert len(arms) == 12 and len(set(colours.values())) == len(arms)
+    assert len(arms) == 13 and len(set(colours.values())) == len(arms)
+
+
+# --------------------------------------------------------------------------- study tables (synthetic runs)
+
+THRESHOLDS = {"smoothing_window": 5, "drop_fraction": 0.5, "min_best_reward": 0.05, "spike_factor": 10.0,
+              "spike_warmup_steps": 5, "min_steps_after_drop": 5}
+REWARDS = {"stable": [0.8] * 30, "collapsed": [0.8] * 15 + [0.0] * 15, "unconfirmed": [0.8] * 25 + [0.0] * 5}
+
+
+def _study_run(results, cell: str, rewards: list[float], dlogp: list[float], numerics: dict | None = None,
+               spike_at: int | None = None, steps: list[int] | None = None) -> None:
+    import json
+
+    d = results / "study" / cell
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"collapse": THRESHOLDS, "numerics": numerics or {"regions": "none"}}))
+    (d / "summary.json").write_text(json.dumps({"status": "finished"}))
+    steps = steps or list(range(1, len(rewards) + 1))
+    lines = [{"step": s, "reward": r, "loss": 0.01, "grad_norm": 50.0 if i == spike_at else 1.0,
+              "mismatch/mean_abs_dlogp": m, "mismatch/kl_k3": m * m}
+             for i, (s, r, m) in enumerate(zip(steps, rewards, dlogp))]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _manifest(results, model: str, arms: list[str], seeds: list[int]) -> dict:
+    import json
+
+    manifest = {"models": [model], "arms": arms, "seeds": seeds, "reference_arm": arms[0], "label": "synthetic",
+                "probe_configs": arms, "cells": [{"cell": f"{model}/{a}/seed{s}", "model": model, "arm": a, "seed": s}
+                                                 for a in arms for s in seeds]}
+    (results / "study").mkdir(parents=True, exist_ok=True)
+    (results / "study/manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation(tmp_path):
+    from analysis.study import collapse_table, load_runs, readable_sensitivity, sensitivity_table
+    from rpa.collapse import CollapseThresholds, sensitivity_settings
+
+    manifest = _manifest(tmp_path, "m", ["none"], [0, 1, 2])
+    for seed, kind in enumerate(("stable", "collapsed", "unconfirmed")):
+        _study_run(tmp_path, f"m/none/seed{seed}", REWARDS[kind], [0.01] * 30, spike_at=12 if seed == 0 else None)
+    runs, _, _ = load_runs(tmp_path, manifest)
+    row = collapse_table(runs, manifest).iloc[0]
+    assert row["collapsed"] == "1/3" and row["unconfirmed"] == 1 and row["grad_spikes"] == 1
+    sens = sensitivity_table(runs, manifest)
+    labels = [label for label, _ in sensitivity_settings(CollapseThresholds(**THRESHOLDS))]
+    assert len(labels) == 5
+    for label in labels:
+        assert f"{label} collapsed" in sens and f"{label} unconfirmed" in sens
+    s = sens.iloc[0]
+    # the drop at the end lasts 3 steps: unconfirmed at a window of 5, collapsed at half of it (2)
+    assert s["drop 0.5 collapsed"] == 1 and s["drop 0.5 unconfirmed"] == 1
+    assert s["persist /2 collapsed"] == 2 and s["persist /2 unconfirmed"] == 0
+    readable = readable_sensitivity(sens)
+    assert list(readable.columns) == ["model", "arm", *labels]
+    assert readable.iloc[0]["drop 0.5"] == "1/3 (1 unconf.)" and readable.iloc[0]["persist /2"] == "2/3"
+
+
+def test_train_mismatch_change_is_paired_by_seed_and_step_with_a_t_interval(tmp_path):
+    import math
+
+    from analysis.study import load_runs, mismatch_table, readable_mismatch
+
+    manifest = _manifest(tmp_path, "m", ["none", "rope"], [0, 1, 2])
+    log_ratio = {0: 0.1, 1: 0.2, 2: 0.3}  # per seed; the steps' ratios scatter around it
+    for seed, lr in log_ratio.items():
+        ref = [0.001 * (1 + seed) * (1 + 0.5 * math.sin(i)) for i in range(20)]
+        arm = [r * math.exp(lr + (0.05 if i % 2 else -0.05)) for i, r in enumerate(ref)]
+        _study_run(tmp_path, f"m/none/seed{seed}", [0.8] * 20, ref)
+        if seed == 0:  # the arm logged steps 1-18 and a wild step 40 that the reference never logged
+            _study_run(tmp_path, f"m/rope/seed{seed}", [0.8] * 19, arm[:18] + [1.0], steps=list(range(1, 19)) + [40])
+        else:
+            _study_run(tmp_path, f"m/rope/seed{seed}", [0.8] * 20, arm)
+    runs, curves, _ = load_runs(tmp_path, manifest)
+    table = mismatch_table(tmp_path, runs, manifest, curves).set_index("arm")
+    half = 4.303 * 0.1 / math.sqrt(3)  # t(0.975, df=2) x sd / sqrt(seeds)
+    rope = table.loc["rope"]
+    assert rope["train_mean_abs_dlogp_change"] == pytest.approx(math.expm1(0.2))
+    assert rope["train_mean_abs_dlogp_low"] == pytest.approx(math.expm1(0.2 - half))
+    assert rope["train_mean_abs_dlogp_high"] == pytest.approx(math.expm1(0.2 + half))
+    assert rope["train_mean_abs_dlogp_low"] < math.expm1(0.2) < rope["train_mean_abs_dlogp_high"]
+    assert rope["train_paired_seeds"] == 3 and pd_isna(table.loc["none", "train_mean_abs_dlogp_change"])
+    readable = readable_mismatch(table.reset_index(), "none").set_index("arm")
+    assert readable.loc["rope", "train mean_abs_dlogp change (95% CI)"] == \
+        f"+22.1% [{100 * math.expm1(0.2 - half):+.1f}, {100 * math.expm1(0.2 + half):+.1f}]"
+    assert readable.loc["none", "train mean_abs_dlogp change (95% CI)"] == "reference"
+
+
+def pd_isna(value) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(value))
+
+
+def test_positions_stock_probe_change_is_not_a_measurement(tmp_path):
+    import numpy as np
+
+    from analysis.study import latex_mismatch, load_runs, mismatch_table, readable_mismatch
+    from tests.test_aggregate import write_probe
+
+    arms = ["none", "positions-stock", "rope"]
+    manifest = _manifest(tmp_path, "m", arms, [0])
+    base = np.linspace(0.005, 0.02, 10)
+    write_probe(tmp_path, "m", "none", {}, base)
+    write_probe(tmp_path, "m", "positions-stock", {"trainer_positions": "stock"}, base)
+    write_probe(tmp_path, "m", "rope", {"regions": "rope"}, base * 0.8)
+    for arm in arms:
+        _study_run(tmp_path, f"m/{arm}/seed0", [0.8] * 10, [0.001] * 10)
+    runs, curves, _ = load_runs(tmp_path, manifest)
+    table = mismatch_table(tmp_path, runs, manifest, curves)
+    by = table.set_index("arm")
+    assert by.loc["positions-stock", "probe_note"] == "n/a (unpadded probe)"
+    assert by.loc[["positions-stock"], [c for c in table if c.startswith("probe_") and c != "probe_note"]].isna().all(
+        axis=None)
+    assert by.loc["rope", "probe_mean_abs_dlogp_change"] == pytest.approx(-0.2)
+    for frame, column in ((readable_mismatch(table, "none"), "mean_abs_dlogp change (95% CI)"),
+                          (latex_mismatch(table, "none"), "probe change (95% CI)")):
+        cells = frame.set_index("arm")[column]
+        assert cells["positions-stock"] == "n/a (unpadded probe)" and cells["none"] == "reference"
+        assert cells["rope"].startswith("-20.0% [")
+
+
+def test_latex_tables_keep_few_columns():
+    import pandas as pd
+
+    from analysis.study import latex_collapse
+
+    table = pd.DataFrame({"model": ["m"], "arm": ["none"], "runs": [3], "finished": [3], "failed": [0], "missing": [0],
+                          "collapsed": ["1/3"], "unconfirmed": pd.array([1], dtype="Int64"),
+                          "grad_spikes": pd.array([2], dtype="Int64"), "median_collapse_step": [12.0],
+                          "peak_reward": ["1 ± 0"], "final_reward": ["0.5 ± 0.1"],
+                          "final_eval_accuracy": ["0.2 ± 0"]})
+    tex = latex_collapse(table)
+    assert "peak_reward" not in tex and "eval accuracy" in tex and tex.shape[1] <= 8
+    assert tex.iloc[0].tolist() == ["m", "none", "1/3", 1, 2, "12", "0.5 ± 0.1", "0.2 ± 0"]

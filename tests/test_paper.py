@@ -1,0 +1,184 @@
+"""The paper: it states the collapse rule its results were judged with (written from the runs'
+thresholds, never hard-coded), every generated table fits the text width whatever its column
+count, and the figures' arms and models are told apart and in order."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pandas as pd
+import pytest
+
+from tests.conftest import REPO, run_py, tail
+
+REFERENCE = REPO / "results/reference/study-cpu"
+DOSE = REPO / "results/reference/cpu"  # the committed positive control, another results directory
+HAVE_TEX = bool(shutil.which("latexmk") and shutil.which("pdflatex"))
+
+
+def _macro(claims: str, name: str) -> str:
+    match = re.search(r"^\\newcommand\{\\" + name + r"\}\{(.*)\}$", claims, re.M)
+    assert match, f"no \\{name} in claims.tex"
+    return match.group(1)
+
+
+def _thresholds(paths):
+    from rpa.collapse import CollapseThresholds
+
+    return {CollapseThresholds(**json.loads(p.read_text())["collapse"]) for p in paths}
+
+
+@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
+def test_claims_state_the_collapse_rule_of_the_runs_thresholds(tmp_path):
+    from analysis.latex import escape
+    from analysis.paper import write_claims
+    from rpa.collapse import rule_text
+
+    write_claims(REFERENCE, tmp_path, DOSE)
+    claims = (tmp_path / "claims.tex").read_text()
+    (study,) = _thresholds(REFERENCE.glob("study/*/*/seed*/config.json"))  # one set in the committed runs
+    assert _macro(claims, "collapserule") == escape(rule_text(study))
+    dose = _thresholds(DOSE.glob("dose/*/*/seed*/config.json"))
+    doserule = _macro(claims, "doserule")
+    assert doserule == ("Its runs were judged by the same collapse rule as the study's." if dose == {study}
+                        else doserule) and doserule
+
+
+def test_main_tex_takes_the_rule_from_claims_not_from_its_own_text():
+    tex = (REPO / "paper/main.tex").read_text()
+    assert "\\collapserule" in tex and "\\doserule" in tex
+    prose = re.sub(r"%.*", "", tex).lower()
+    for hard_coded in ("five steps", "five consecutive", "half of its running best", "5 steps"):
+        assert hard_coded not in prose
+    assert "\\IfFileExists{study_sensitivity.tex}" in tex
+
+
+def _fake_study(root, cells, collapse_of):
+    models = list(dict.fromkeys(m for m, _, _ in cells))
+    arms = list(dict.fromkeys(a for _, a, _ in cells))
+    manifest = {"models": models, "arms": arms, "seeds": sorted({s for _, _, s in cells}), "reference_arm": arms[0],
+                "label": "fake", "cells": [{"cell": f"{m}/{a}/seed{s}", "model": m, "arm": a, "seed": s}
+                                           for m, a, s in cells]}
+    for m, a, s in cells:
+        d = root / "study" / m / a / f"seed{s}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"collapse": collapse_of(m, a, s)}))
+    return manifest
+
+
+def test_runs_judged_with_different_thresholds_get_one_rule_each_with_their_runs(tmp_path):
+    from analysis.paper import dose_rule, study_rule
+    from rpa.collapse import CollapseThresholds, rule_text
+
+    base = {"smoothing_window": 5, "drop_fraction": 0.5, "min_best_reward": 0.05, "spike_factor": 10.0,
+            "spike_warmup_steps": 5, "min_steps_after_drop": 5}
+    cells = [(m, a, s) for m in ("xs", "l") for a in ("none", "all", "tis") for s in (0, 1)]
+
+    def collapse_of(m, a, s):
+        if a == "tis":  # a whole arm with a longer persistence window
+            return {**base, "min_steps_after_drop": 8}
+        if (m, a, s) == ("l", "all", 1):  # and one run with another drop fraction
+            return {**base, "drop_fraction": 0.4}
+        return base
+
+    manifest = _fake_study(tmp_path, cells, collapse_of)
+    text, used = study_rule(tmp_path, manifest)
+    assert len(used) == 3 and text.startswith("The runs were judged with 3 different sets of thresholds.")
+    for t in used:
+        assert rule_text(t) in text
+    assert "arm tis (every model)" in text and "l/all (seed 1)" in text
+    assert "for 8 consecutive" in text and "below 0.4 times" in text
+
+    same, _ = study_rule(tmp_path / "same", _fake_study(tmp_path / "same", cells, lambda *_: base))
+    assert same == rule_text(CollapseThresholds(**base))
+
+    dose = tmp_path / "dose-results"
+    run = dose / "dose" / "perturb-mantissa2" / "off-sampler" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"collapse": {**base, "min_steps_after_drop": 3}}))
+    said = dose_rule(dose, {CollapseThresholds(**base)})
+    assert "for 3 consecutive" in said and "same collapse rule" not in said
+
+
+def test_a_wide_table_is_scaled_only_when_wider_and_long_headers_wrap():
+    from analysis.latex import booktabs, wrap_header
+
+    assert wrap_header("median_collapse_step", 8) == ["median_", "collapse_", "step"]
+    assert wrap_header("arm", 8) == ["arm"]
+    narrow = booktabs(pd.DataFrame({"model": ["a"], "arm": ["b"]}), "narrow", "tab:n")
+    wide = booktabs(pd.DataFrame({f"column_number_{i}": [f"+{i}.0% [-1.0, +2.0]"] for i in range(14)}), "wide", "tab:w")
+    for tex in (narrow, wide):  # the scaling is decided by TeX, measured against \linewidth
+        assert "\\ifdim\\wd\\rpatablebox>\\linewidth\\resizebox{\\linewidth}{!}" in tex
+        assert "\\toprule" in tex and "\\bottomrule" in tex
+    assert "\\small" in narrow and "\\scriptsize" in wide
+
+
+@pytest.mark.skipif(not HAVE_TEX, reason="no latexmk/pdflatex")
+@pytest.mark.parametrize("columns", [2, 9, 16, 30])
+def test_generated_tables_of_any_width_fit_the_text(tmp_path, columns):
+    from analysis.latex import booktabs
+
+    df = pd.DataFrame({f"a_long_column_name_{i}": [f"{i}.123 ± 0.045", "--", "mini-xs/positions-stock"][: 3]
+                       for i in range(columns)})
+    tables = "\n".join(booktabs(df, f"{columns} columns", f"tab:{k}") for k in range(2))  # the box is reused
+    (tmp_path / "t.tex").write_text(
+        "\\documentclass[10pt]{article}\\usepackage[margin=2.2cm]{geometry}\\usepackage{booktabs}"
+        "\\usepackage{graphicx}\\begin{document}\n" + tables + "\\end{document}\n")
+    proc = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    log = (tmp_path / "t.log").read_text(errors="replace")
+    assert "Overfull \\hbox" not in log and "Float too large" not in log
+
+
+@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
+@pytest.mark.skipif(not HAVE_TEX, reason="no latexmk/pdflatex")
+def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
+    """The tables as the current code writes them (regenerated from the committed raw results),
+    the committed figures, the paper: no line, table or figure wider than the text."""
+    res = tmp_path / "r"
+    shutil.copytree(REFERENCE, res)
+    proc = run_py(["-m", "analysis.study", "--results", str(res)])
+    assert proc.returncode == 0, tail(proc)
+    proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
+                   "--dose-results", str(DOSE)], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    log = (res / "paper/main.log").read_text(errors="replace")
+    overfull = [line for line in log.splitlines() if line.startswith(("Overfull \\hbox", "! "))]
+    assert not overfull, "\n".join(overfull)
+    assert "Float too large" not in log
+    assert "\\collapserule" in (REPO / "paper/main.tex").read_text()
+
+
+def test_every_arm_has_a_clearly_different_colour():
+    from matplotlib.colors import to_rgb
+
+    from analysis.study import arm_colors, arm_styles
+
+    arms = [f"arm{i}" for i in range(13)]
+    colours = [to_rgb(c) for c in arm_colors(arms).values()]
+    assert len(set(colours)) == 13
+    # no two of the first thirteen within a small distance in RGB (tab20 paired light/dark shades of one hue)
+    close = [(i, j) for i in range(13) for j in range(i) if sum((a - b) ** 2 for a, b in zip(colours[i], colours[j]))
+             ** 0.5 < 0.25]
+    assert not close
+    styles = arm_styles(arms)
+    assert styles["arm0"]["ls"] == "-" and styles["arm12"]["ls"] == "--"
+    assert len(arm_colors([f"a{i}" for i in range(40)])) == 40
+
+
+def test_probe_figure_panels_follow_the_configs_model_order(tmp_path):
+    from analysis.figures import mismatch_figure, model_order
+
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study/manifest.json").write_text(json.dumps({"models": ["mini-xs", "mini-s", "mini-m", "mini-l"]}))
+    alphabetical = ["mini-l", "mini-m", "mini-s", "mini-xs", "other"]
+    assert model_order(tmp_path, alphabetical) == ["mini-xs", "mini-s", "mini-m", "mini-l", "other"]
+    assert model_order(tmp_path, alphabetical, ["other", "mini-l"]) == ["other", "mini-l", "mini-m", "mini-s",
+                                                                         "mini-xs"]
+    assert model_order(tmp_path / "none", ["b", "a"]) == ["b", "a"]
+    probe = pd.DataFrame([{"model": m, "config": c, "mean_abs_dlogp": 1e-3, "batch_vs_single_mean_abs_dlogp": 1e-4}
+                          for m in alphabetical[:4] for c in ("none", "all")])
+    mismatch_figure(probe, tmp_path / "m.png", model_order(tmp_path, list(probe["model"])))
+    assert (tmp_path / "m.png").stat().st_size > 10_000
