@@ -5,6 +5,7 @@
 #   snakemake --cores 2 dose_response                     # positive control (~90 min on 2 cores)
 #   snakemake study paper --cores 2 --configfile experiments/study-cpu.yaml   # the CPU miniature
 #   snakemake study --workflow-profile experiments/profiles/slurm --configfile experiments/study.yaml
+#   snakemake collapse_pilot --cores 2 --configfile experiments/collapse-cpu.yaml  # natural-collapse search
 #   (a --configfile replaces experiments/config.yaml; it is not merged into it)
 #
 # Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk).
@@ -46,4 +47,5 @@ include: "rules/analysis.smk"
 include: "rules/train.smk"
 include: "rules/dose.smk"
 include: "rules/study.smk"
+include: "rules/search.smk"
 include: "rules/paper.smk"

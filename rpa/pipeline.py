@@ -71,6 +71,8 @@ def check_config(config: dict[str, Any]) -> None:
         problems += _dose_problems(config)
     if config.get("study"):
         problems += _study_problems(config)
+    if config.get("search"):
+        problems += _search_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
 
@@ -310,4 +312,72 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
         if shared and shared_init:
             problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
                             f"model fixes for every arm; set it in the base or study.sizes")
+    return problems
+
+
+# ------------------------------------------------------------------ the natural-collapse search
+
+SEARCH_STAGES = ("pilot", "grid", "ablation", "lever")
+"""Stages of ``search`` (each optional): the pilot picks a setting, the grid tests it under
+the decision rule written in the config, then the ablation (if it collapsed) or a further
+lever (if it did not)."""
+
+
+def search_points(config: dict[str, Any], stage: str | None = None) -> list[dict[str, Any]]:
+    """Every cell of the natural-collapse search (``search.stages``): ``cell``
+    (``<stage>/<label>/.../seed<N>``, its directory under ``search/``), ``stage``, ``labels``
+    (axis -> label), ``seed``, ``model`` (the name in ``models``) and the full run config: the
+    base, the stage's ``overrides``, then one value of every axis in the order written, merged
+    key by key. An override ``model: NAME`` names a model of ``models``."""
+    import itertools
+
+    import yaml
+
+    search = config["search"]
+    base = yaml.safe_load(open(search["base"]))
+    points = []
+    for name, stage_cfg in (search.get("stages") or {}).items():
+        if stage is not None and name != stage:
+            continue
+        axes = list((stage_cfg.get("axes") or {}).items())
+        choices = [list(values.items()) for _, values in axes]
+        for combo in itertools.product(*choices):
+            run = deep_merge(base, stage_cfg.get("overrides") or {})
+            for _, overrides in combo:
+                run = deep_merge(run, overrides or {})
+            model = run.get("model")
+            labels = {axis: label for (axis, _), (label, _) in zip(axes, combo)}
+            for seed in stage_cfg["seeds"]:
+                cell = "/".join([name, *labels.values(), f"seed{seed}"])
+                points.append({"cell": cell, "stage": name, "labels": labels, "seed": seed, "model": model,
+                               "config": {**run, "seed": seed,
+                                          "model": model_location(config, model) if model in config["models"]
+                                          else model}})
+    return points
+
+
+def _search_problems(config: dict[str, Any]) -> list[str]:
+    search = config["search"]
+    problems = [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
+                for s in (search.get("stages") or {}) if s not in SEARCH_STAGES]
+    if problems:
+        return problems
+    try:
+        points = search_points(config)
+    except (OSError, ValueError) as err:
+        return [f"search: {err}"]
+    problems += [f"search cell {p['cell']}: model {p['model']!r} is not a name in models" for p in points
+                 if p["model"] not in config["models"]]
+    if problems:
+        return sorted(set(problems))
+    problems += _invalid_runs(points, lambda p: f"search cell {p['cell']}")
+    cells = [p["cell"] for p in points]
+    if len(set(cells)) != len(cells):
+        problems.append("search: two cells share a directory (repeated labels)")
+    rule = search.get("decision") or {}
+    arms = {label for p in points if p["stage"] == "grid" for label in [p["labels"].get(rule.get("arm_axis", ""))]}
+    for key in ("reference_arm", "control_arm"):
+        if "grid" in (search.get("stages") or {}) and rule.get(key) not in arms:
+            problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
+                            f"{rule.get('arm_axis')!r} axis")
     return problems

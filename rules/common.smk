@@ -2,8 +2,8 @@
 
 import re
 
-from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, study_init_config,
-                          study_points, study_resources, tiny_flags, train_points)
+from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, search_points,
+                          study_init_config, study_points, study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -20,6 +20,7 @@ TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] f
     if config.get("train") else {}
 DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose") else {}
 STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
+SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
 
 
 wildcard_constraints:

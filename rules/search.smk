@@ -1,0 +1,105 @@
+# Stage: the natural-collapse search (`collapse_pilot`, `collapse_grid`, `collapse_ablation`,
+# `collapse_lever`): each stage's cells are every combination of its axes x seeds, one run
+# directory `search/<stage>/<label>/.../seed<N>` each (its own warm start, same for every arm
+# of a seed); tables and figures per stage from analysis/collapse_search.py.
+
+SEARCH_STAGE_NAMES = list((config.get("search") or {}).get("stages") or {})
+
+
+def search_summaries(stage):
+    return [f"{R}/search/{cell}/summary.json" for cell, p in SEARCH.items() if p["stage"] == stage]
+
+
+def search_outputs(stage):
+    return [f"{R}/tables/search_{stage}.{ext}" for ext in ("csv", "md", "json")] + \
+        [f"{R}/figures/search_{stage}.{FIGURES['format']}"]
+
+
+for _stage in ("pilot", "grid", "ablation", "lever"):
+
+    rule:
+        name:
+            f"collapse_{_stage}"
+        input:
+            search_outputs(_stage) if _stage in SEARCH_STAGE_NAMES else [],
+
+
+def search_manifest_text(stage):
+    import json
+
+    search = config["search"]
+    cells = [{"cell": c, "labels": p["labels"], "seed": p["seed"], "model": p["model"]}
+             for c, p in SEARCH.items() if p["stage"] == stage]
+    return json.dumps({"stage": stage, "label": search.get("label", "natural-collapse search"),
+                       "axes": {k: list(v) for k, v in search["stages"][stage]["axes"].items()},
+                       "pilot_rule": search.get("pilot_rule", {}), "decision": search.get("decision", {}),
+                       "cells": cells}, indent=1)
+
+
+localrules:
+    search_config,
+    search_manifest,
+
+
+wildcard_constraints:
+    stage="pilot|grid|ablation|lever",
+
+
+rule search_manifest:
+    output:
+        f"{R}/search/{{stage}}/manifest.json",
+    params:
+        text=lambda wc: search_manifest_text(wc.stage),
+    run:
+        with open(output[0], "w") as f:
+            f.write(params.text + "\n")
+
+
+rule search_config:
+    output:
+        f"{R}/search/{{cell}}/run.yaml",
+    run:
+        import yaml
+
+        if wildcards.cell not in SEARCH:
+            raise ValueError(f"no search cell {wildcards.cell}")
+        with open(output[0], "w") as f:
+            yaml.safe_dump(SEARCH[wildcards.cell]["config"], f, sort_keys=False)
+
+
+rule search_train:
+    input:
+        cfg=f"{R}/search/{{cell}}/run.yaml",
+        model=lambda wc: model_files(SEARCH[wc.cell]["model"]),
+    output:
+        # the summary is written for every end of a run (ok, collapsed, diverged, error); a killed
+        # run has none, so Snakemake reruns it and `rpa train` resumes from its last checkpoint
+        f"{R}/search/{{cell}}/summary.json",
+    params:
+        out=lambda wc: f"{R}/search/{wc.cell}",
+    log:
+        f"{R}/logs/search/{{cell}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=6000,
+        runtime=120,
+    shell:
+        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1 || test -f {output}"
+
+
+rule search_aggregate:
+    input:
+        runs=lambda wc: search_summaries(wc.stage),
+        manifest=f"{R}/search/{{stage}}/manifest.json",
+    output:
+        csv=f"{R}/tables/search_{{stage}}.csv",
+        md=f"{R}/tables/search_{{stage}}.md",
+        json=f"{R}/tables/search_{{stage}}.json",
+        fig=f"{R}/figures/search_{{stage}}.{FIGURES['format']}",
+    log:
+        f"{R}/logs/search_{{stage}}.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.collapse_search --results {R} --stage {wildcards.stage} --figure {output.fig} > {log} 2>&1"

@@ -1,0 +1,130 @@
+"""The natural-collapse search: grid expansion (each cell once), the pilot rule, the decision
+rule and exact intervals, computed from run directories written here."""
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from analysis.collapse_search import clopper_pearson, decision, load_runs, main, pilot
+from rpa.pipeline import PipelineConfigError, check_config, search_points
+from tests.conftest import REPO, tail
+from tests.test_pipeline import snakemake
+
+CONFIG = yaml.safe_load((REPO / "experiments/collapse-cpu.yaml").read_text())
+
+
+def test_config_is_valid_and_every_cell_is_listed_once(tmp_path):
+    check_config(CONFIG)
+    points = search_points(CONFIG)
+    cells = [p["cell"] for p in points]
+    assert len(cells) == len(set(cells))
+    for stage, spec in CONFIG["search"]["stages"].items():
+        n = len(spec["seeds"])
+        for values in spec["axes"].values():
+            n *= len(values)
+        assert sum(p["stage"] == stage for p in points) == n
+        proc = snakemake("-n", "--cores", "2", f"collapse_{stage}", "--configfile", "experiments/collapse-cpu.yaml",
+                         "--config", f"results={tmp_path / 'r'}")
+        assert proc.returncode == 0, tail(proc)
+        jobs = [line for line in proc.stdout.splitlines() if line.strip().startswith("search_train ")]
+        assert jobs and int(jobs[0].split()[1]) == n  # snakemake's job count: each cell once
+    pilot_cells = [p for p in points if p["stage"] == "pilot"]
+    assert all(p["config"]["steps"] == 10 and p["config"]["old_logprobs"] == "sampler" for p in pilot_cells)
+    assert all(p["config"]["model"].endswith(f"/models/{p['model']}") for p in pilot_cells)
+
+
+def test_bad_search_entries_are_named():
+    bad = copy.deepcopy(CONFIG)
+    bad["search"]["stages"]["pilot"]["axes"]["model"]["nope"] = {"model": "no-such-model"}
+    bad["search"]["stages"]["pilot"]["axes"]["temperature"]["T0"] = {"temperature": 0}
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(bad)
+    assert "model 'no-such-model' is not a name in models" in str(err.value)
+    bad = copy.deepcopy(CONFIG)
+    bad["search"]["stages"]["pilot"]["axes"]["temperature"]["T0"] = {"temperature": 0}
+    with pytest.raises(PipelineConfigError, match="T0.*temperature > 0"):
+        check_config(bad)
+
+
+def test_clopper_pearson_matches_known_values():
+    assert clopper_pearson(0, 12)[1] == pytest.approx(1 - 0.025 ** (1 / 12), abs=1e-9)  # 0.2646
+    lo, hi = clopper_pearson(3, 4)
+    assert lo == pytest.approx(0.1941, abs=1e-4) and hi == pytest.approx(0.9937, abs=1e-4)
+    assert clopper_pearson(4, 4) == (pytest.approx(0.025 ** (1 / 4), abs=1e-9), 1.0)
+
+
+def _write_run(root, cell, rewards, mismatch, entropy=0.5, window=2, persist=3):
+    run = root / "search" / cell
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"collapse": {"smoothing_window": window, "drop_fraction": 0.5,
+                                                              "min_steps_after_drop": persist}}))
+    lines = [{"step": i + 1, "reward": r, "loss": 0.1, "grad_norm": 1.0, "entropy": entropy,
+              "mismatch/mean_abs_dlogp": m, "mismatch/phantom_clip_rate": m / 10}
+             for i, (r, m) in enumerate(zip(rewards, mismatch))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run / "summary.json").write_text(json.dumps({"status": "ok", "wall_s": 1.0}))
+
+
+def _manifest(root, stage, axes, cells, **extra):
+    path = root / "search" / stage / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stage": stage, "label": "test", "axes": axes, "cells": cells, **extra}))
+    return json.loads(path.read_text())
+
+
+RULE = {"arm_axis": "arm", "rung_axis": "lr", "reference_arm": "none", "control_arm": "fp32",
+        "min_reference_collapsed": 3, "max_control_collapsed": 0, "confidence": 0.95}
+STABLE, FALLS = [0.6] * 12, [0.6] * 5 + [0.1] * 7
+
+
+def _grid(tmp_path, none_falls: int, fp32_falls: int):
+    cells = []
+    for lr in ("lr1", "lr2"):
+        for arm, falls in (("none", none_falls if lr == "lr2" else 0), ("fp32", fp32_falls if lr == "lr2" else 0)):
+            for seed in range(4):
+                cell = f"grid/{lr}/{arm}/seed{seed}"
+                rewards = FALLS if seed < falls else STABLE
+                _write_run(tmp_path, cell, rewards, [0.01 * (i + 1) for i in range(12)])
+                cells.append({"cell": cell, "labels": {"lr": lr, "arm": arm}, "seed": seed, "model": "m"})
+    return _manifest(tmp_path, "grid", {"lr": ["lr1", "lr2"], "arm": ["none", "fp32"]}, cells, decision=RULE)
+
+
+def test_decision_rule_collapses_naturally_only_with_the_control_stable(tmp_path):
+    manifest = _grid(tmp_path, none_falls=3, fp32_falls=0)
+    runs, _ = load_runs(tmp_path, manifest)
+    d = decision(runs, RULE)
+    assert d["outcome"] == "collapses naturally" and d["collapsing_rungs"] == ["lr2"]
+    assert d["pooled"] == {"pairs": 8, "reference_collapsed": 3, "control_collapsed": 0}
+    # the same collapses with FP32 collapsing too: the step size's, not BF16's
+    other = tmp_path / "other"
+    runs2, _ = load_runs(other, _grid(other, none_falls=4, fp32_falls=1))
+    d2 = decision(runs2, RULE)
+    assert d2["outcome"] == "does not collapse naturally" and "4/8 runs collapsed" in d2["statement"]
+    # pre-collapse mismatch: steps before the collapse only (smoothed over 2: collapse at step 7, steps 1-6 before)
+    falls = runs[(runs.arm == "none") & (runs.lr == "lr2") & (runs.seed == 0)].iloc[0]
+    assert falls["collapse_step"] == 7 and falls["max_pre_collapse_mismatch"] == pytest.approx(0.06)
+
+
+def test_no_collapse_reports_the_envelope_and_an_upper_bound(tmp_path):
+    manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)
+    assert main(["--results", str(tmp_path), "--stage", "grid", "--figure", str(tmp_path / "f.png")]) == 0
+    d = json.loads((tmp_path / "tables/search_grid.json").read_text())["decision"]
+    assert d["outcome"] == "does not collapse naturally" and d["reference_runs"] == 8
+    assert d["reference_collapse_rate_interval"][1] == pytest.approx(1 - 0.025 ** (1 / 8), abs=1e-6)
+    assert d["max_mismatch"] == pytest.approx(0.12) and "up to a pre-collapse mismatch of 0.12" in d["statement"]
+    assert (tmp_path / "f.png").stat().st_size > 0 and manifest["cells"]
+
+
+def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
+    cells = []
+    for name, entropy, reward, mismatch in (("a", 0.2, 0.5, 0.05), ("b", 0.5, 0.5, 0.01), ("c", 0.6, 0.45, 0.02),
+                                            ("d", 0.9, 0.9, 0.09)):
+        _write_run(tmp_path, f"pilot/{name}/seed0", [reward] * 4, [mismatch] * 4, entropy=entropy)
+        cells.append({"cell": f"pilot/{name}/seed0", "labels": {"setting": name}, "seed": 0, "model": "m"})
+    manifest = _manifest(tmp_path, "pilot", {"setting": ["a", "b", "c", "d"]}, cells)
+    runs, _ = load_runs(tmp_path, manifest)
+    table, choice = pilot(runs, {"min_entropy": 0.3, "reward_low": 0.3, "reward_high": 0.7})
+    assert choice["chosen"] == "pilot/c/seed0" and choice["eligible"] == 2  # a: entropy, d: reward out of range
+    assert table["chosen"].sum() == 1
