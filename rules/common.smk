@@ -67,11 +67,6 @@ def gpu_launch(count):
     return f"python -m rpa.gpus --count {count} -- " if count else ""
 
 
-def slurm_gres(count):
-    """SLURM's GPU request for a job of ``count`` GPUs (empty on CPU)."""
-    return f"--gres=gpu:{count}" if count else ""
-
-
 def probe_summaries(wildcards=None):
     return expand(f"{R}/probe/{{model}}/{{numerics}}/summary.json", model=MODELS, numerics=CONFIGS)
 

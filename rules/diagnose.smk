@@ -23,7 +23,6 @@ rule diagnose:
         mem_mb=config["job_mem_mb"],
         runtime=30,
         gpu=GPU,
-        slurm_extra=slurm_gres(GPU),
     shell:
         "{params.launch}rpa diagnose --model {params.model} {params.numerics} --sequences {params.sequences} "
         "--completions {input.completions} --out {params.out} > {log} 2>&1"

@@ -32,6 +32,10 @@ rule dose_init:
         shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
 
 
+localrules:
+    dose_config,
+
+
 rule dose_config:
     output:
         f"{R}/dose/{{cell}}/run.yaml",

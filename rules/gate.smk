@@ -19,7 +19,6 @@ rule parity:
         mem_mb=config["job_mem_mb"],
         runtime=30,
         gpu=GPU,
-        slurm_extra=slurm_gres(GPU),
     shell:
         "{params.launch}rpa parity --model {params.model} --regions {params.regions} {params.compiled} "
         "--device {DEVICE} --out {output} > {log} 2>&1"

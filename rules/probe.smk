@@ -39,7 +39,6 @@ rule probe:
         mem_mb=config["job_mem_mb"],
         runtime=60,
         gpu=GPU,
-        slurm_extra=slurm_gres(GPU),
     shell:
         "{params.launch}rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
         "--out {params.out} > {log} 2>&1"

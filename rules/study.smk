@@ -67,6 +67,12 @@ rule study_init:
         shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
 
 
+# one-line jobs that write a file from the config: run by Snakemake itself, never submitted
+localrules:
+    study_config,
+    study_manifest,
+
+
 rule study_config:
     output:
         f"{R}/study/{{cell}}/run.yaml",
@@ -98,7 +104,6 @@ rule study_train:
         mem_mb=_study_res("mem_mb"),
         runtime=_study_res("runtime"),
         cpus_per_task=_study_res("cpus_per_task"),
-        slurm_extra=lambda wc: slurm_gres(study_resources(config, _cell_model(wc))["gpu"]),
     shell:
         "{params.command} > {log} 2>&1 || test -f {output}"
 

@@ -15,6 +15,10 @@ rule train_all:
         f"{R}/figures/train_curves.{FIGURES['format']}",
 
 
+localrules:
+    train_config,
+
+
 rule train_config:
     output:
         f"{R}/train/{{model}}/{{setting}}/{{regions}}/seed{{seed}}/run.yaml",
@@ -48,7 +52,6 @@ rule train:
         runtime=TRAIN_RES.get("runtime", 120),
         cpus_per_task=TRAIN_RES.get("cpus_per_task", 2),
         gpu=TRAIN_RES.get("gpu", 0),
-        slurm_extra=slurm_gres(TRAIN_RES.get("gpu", 0)),
     shell:
         # a rerun after an interruption resumes from the run directory's last checkpoint
         "{params.launch}rpa train --config {input.cfg} --out {params.out} > {log} 2>&1"
