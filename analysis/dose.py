@@ -76,7 +76,18 @@ def sensitivity_column(label: str) -> str:
 
 
 SENSITIVITY_LABELS = tuple(label for label, _ in sensitivity_settings(CollapseThresholds()))
-RUN_COLUMNS = ("arm", "dose_bits", "is_correction", "old_logprobs", "seed", "status", "verdict", "collapsed",
+INVALID_REASON = ("invalid: IS correction applied twice (old logprobs from the sampler make PPO's ratio pi/mu, and "
+                  "TRL multiplies the loss by its clipped pi_old/mu again); such runs are refused now")
+
+
+def invalid_setting(correction: str, old: str) -> bool:
+    """A grid setting whose runs were invalid: an IS correction with old logprobs from the
+    sampler (``rpa.train_config`` refuses it now; committed runs are kept and marked)."""
+    return correction != "off" and old == "sampler"
+
+
+RUN_COLUMNS = ("arm", "dose_bits", "is_correction", "old_logprobs", "seed", "invalid", "status", "verdict",
+               "collapsed",
                "collapse_step", "unconfirmed_drop_step", "recovered_step", "grad_spikes", "first_grad_spike_step",
                "max_grad_spike_factor", "steps", "peak_reward", "final_reward", "final_eval_accuracy",
                "final_eval_reward", "mismatch_steps", *MISMATCH_COLUMNS, "pre_drop_mean_abs_dlogp",
@@ -119,6 +130,7 @@ def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
         evals = _read_jsonl(run / "eval.jsonl")
         row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
                "is_correction": correction, "old_logprobs": old, "seed": seed,
+               "invalid": invalid_setting(correction, old),
                "status": summary.get("status", "missing"), "mismatch_steps": mismatch_steps}
         verdict: dict = {}
         if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
@@ -189,6 +201,7 @@ def groups(runs: pd.DataFrame) -> pd.DataFrame:
     out["missing_runs"] = [int(missing.get((a, c, o), 0)) for a, c, o in
                            zip(out["arm"], out["is_correction"], out["old_logprobs"])]
     out["mismatch_steps"] = mismatch_steps_of(runs)
+    out["invalid"] = [invalid_setting(c, o) for c, o in zip(out["is_correction"], out["old_logprobs"])]
     return out.sort_values(["is_correction", "old_logprobs", "mean_abs_dlogp"]).reset_index(drop=True)
 
 
@@ -207,6 +220,7 @@ def sensitivity_table(runs: pd.DataFrame) -> pd.DataFrame:
         runs=("seed", "size"), collapsed=("collapsed", "sum"), unconfirmed=("unconfirmed", "sum"),
         mean_abs_dlogp=("mean_abs_dlogp", "mean"), **{c: (c, "sum") for c in cols}).reset_index()
     out["mismatch_steps"] = mismatch_steps_of(runs)
+    out["invalid"] = [invalid_setting(c, o) for c, o in zip(out["is_correction"], out["old_logprobs"])]
     return out.sort_values(["is_correction", "old_logprobs", "mean_abs_dlogp"]).reset_index(drop=True)
 
 
@@ -313,7 +327,10 @@ def threshold(curve: pd.DataFrame, boot: int = 1000, seed: int = 0, grid: int = 
 def dose_arms(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs of the dose curves: stock BF16 and the perturbed samplers (not the anchors,
     which ran only with IS off and would skew that curve alone)."""
-    return runs[(runs["status"] != "missing") & (runs["arm"].str.startswith("perturb-") | (runs["arm"] == "bf16-none"))]
+    valid = ~pd.Series([invalid_setting(c, o) for c, o in zip(runs["is_correction"], runs["old_logprobs"])],
+                       index=runs.index, dtype=bool)
+    return runs[(runs["status"] != "missing") & valid
+                & (runs["arm"].str.startswith("perturb-") | (runs["arm"] == "bf16-none"))]
 
 
 def thresholds(runs: pd.DataFrame, boot: int = 1000) -> pd.DataFrame:
@@ -321,7 +338,17 @@ def thresholds(runs: pd.DataFrame, boot: int = 1000) -> pd.DataFrame:
     for (correction, old), curve in dose_arms(runs).groupby(["is_correction", "old_logprobs"]):
         rows.append({"is_correction": correction, "old_logprobs": old, **threshold(curve, boot=boot),
                      "mismatch_steps": mismatch_steps_of(runs)})
-    out = pd.DataFrame(rows)
+    ran = runs[(runs["status"] != "missing")]
+    for (correction, old), curve in ran.groupby(["is_correction", "old_logprobs"]):
+        if invalid_setting(correction, old):
+            rows.append({"is_correction": correction, "old_logprobs": old, "runs": int(len(curve)),
+                         "collapsed": int(counted(curve)["collapsed"].sum()), "unconfirmed_left_out": 0,
+                         "kind": "invalid", "estimate": None, "low": None, "high": None,
+                         "mismatch_steps": mismatch_steps_of(runs)})
+    out = pd.DataFrame(rows).sort_values(["is_correction", "old_logprobs"]).reset_index(drop=True)
+    for col in ("bootstrap_degenerate", "boot", "interval", "extrapolated"):
+        if col not in out:
+            out[col] = None
     for col in ("bootstrap_degenerate", "boot", "mismatch_steps"):
         out[col] = out[col].astype("Int64")
     return out
@@ -385,7 +412,9 @@ def statement(th: pd.DataFrame, anchors: pd.DataFrame) -> list[str]:
         counts = f"{c}/{n} collapsed" + (f"; {u} unconfirmed runs left out" if u else "")
         boot = "" if pd.isna(t["boot"]) else \
             f"bootstrap: {int(t['bootstrap_degenerate'])}/{int(t['boot'])} resamples degenerate, no finite fit"
-        if t["kind"] == "none collapsed":
+        if t["kind"] == "invalid":
+            lines.append(f"- {curve}: {INVALID_REASON} ({counts}; no threshold).")
+        elif t["kind"] == "none collapsed":
             lines.append(f"- {curve}: no run collapsed ({counts}, up to mismatch {t['low']:.2g}, {dose})"
                          + (f"; the BF16 arms ({bf16}) sit below every dose tried." if bf16 else "."))
         elif t["kind"] == "all collapsed":
@@ -519,7 +548,7 @@ def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path) -> None:
     k = int(k.iloc[0]) if len(k) else None
     dose = window_text(k)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    doses = per_group[~per_group["arm"].isin(["fp32", "bf16-all", "fp16"])]
+    doses = per_group[~per_group["arm"].isin(["fp32", "bf16-all", "fp16"]) & ~per_group["invalid"].astype(bool)]
     handles = []
     for (correction, old), curve in doses.groupby(["is_correction", "old_logprobs"]):
         curve = curve.sort_values("mean_abs_dlogp")

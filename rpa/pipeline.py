@@ -195,6 +195,8 @@ def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     for arm, bits, numerics, corrections in arms:
         for correction in corrections:
             for old in dose["old_logprobs"]:
+                if correction != "off" and old == "sampler":
+                    continue  # not a valid run: the IS correction would be applied twice (TrainConfig refuses it)
                 for seed in dose["seeds"]:
                     run = {**common, "seed": seed, "numerics": numerics, "is_correction": correction,
                            "old_logprobs": old}

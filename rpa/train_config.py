@@ -158,6 +158,11 @@ class TrainConfig:
             raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
+        if self.old_logprobs == "sampler" and self.is_correction != "off":
+            raise TrainConfigError(
+                f"is_correction: {self.is_correction} with old_logprobs: sampler applies the correction twice (PPO's "
+                f"ratio is then already pi / mu, and TRL multiplies the loss by its clipped pi_old / mu again); "
+                f"use one of them")
         if self.eval_every < 0:
             raise TrainConfigError("eval_every: must be >= 0")
         if self.eval_every and not self.task.eval_prompts:
