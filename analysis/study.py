@@ -93,6 +93,12 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
             pd.concat(evals, ignore_index=True) if evals else pd.DataFrame())
 
 
+def arms_of(manifest: dict, model: str) -> list[str]:
+    """The arms ``model`` ran, in table order (a size may run arms of its own: ``size_arms``)."""
+    ran = {c["arm"] for c in manifest["cells"] if c["model"] == model}
+    return [a for a in manifest["arms"] if a in ran]
+
+
 def _mean_sd(values: pd.Series) -> str:
     v = values.dropna()
     if v.empty:
@@ -111,7 +117,7 @@ def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
     peak / final reward and final eval accuracy (mean +- sd over seeds)."""
     rows = []
     for model in manifest["models"]:
-        for arm in manifest["arms"]:
+        for arm in arms_of(manifest, model):
             g = runs[(runs.model == model) & (runs.arm == arm)]
             done = g[g.state == "finished"]
             collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(dtype=bool)
@@ -151,7 +157,7 @@ def sensitivity_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
     labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
     rows = []
     for model in manifest["models"]:
-        for arm in manifest["arms"]:
+        for arm in arms_of(manifest, model):
             done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
             sens = [s for s in done.get("sensitivity", pd.Series(dtype=object)) if isinstance(s, dict)]
             row = {"model": model, "arm": arm, "finished": len(done), "judged": len(sens)}
@@ -210,7 +216,7 @@ def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
         ref_path = results / "probe" / model / ref / "tokens.csv"
         ref_tokens = pd.read_csv(ref_path) if ref_path.exists() else None
         ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(results, manifest, model, ref)
-        for arm in manifest["arms"]:
+        for arm in arms_of(manifest, model):
             row = {"model": model, "arm": arm, "probe_note": None}
             path = results / "probe" / model / arm / "tokens.csv"
             numerics = _probe_numerics(results, model, arm) or _run_numerics(results, manifest, model, arm)

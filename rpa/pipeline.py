@@ -248,7 +248,7 @@ def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     for model in study["models"]:
         sized = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
         shared_init = (sized.get("warm_start") or {}).get("steps", 0) > 0
-        for arm, overrides in study["arms"].items():
+        for arm, overrides in study_arms(study, model).items():
             for seed in study["seeds"]:
                 run = deep_merge(sized, overrides or {})
                 run.update(seed=seed, model=f"{config['results']}/study/{model}/init" if shared_init
@@ -258,6 +258,20 @@ def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
                 points.append({"cell": f"{model}/{arm}/seed{seed}", "model": model, "arm": arm, "seed": seed,
                                "config": run})
     return points
+
+
+def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
+    """The arms ``model`` runs: every arm of ``study.arms``, then its own ``study.size_arms``
+    (e.g. the sampler-perturbation positive control on the smallest size only)."""
+    return {**study["arms"], **((study.get("size_arms") or {}).get(model) or {})}
+
+
+def study_arm_names(study: dict[str, Any]) -> list[str]:
+    """Every arm of the study in table order: the common arms, then the per-size ones."""
+    names = list(study["arms"])
+    for arms in (study.get("size_arms") or {}).values():
+        names += [a for a in (arms or {}) if a not in names]
+    return names
 
 
 def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | None:
@@ -287,6 +301,10 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                  if m not in study["models"]]
     problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
                  if m not in study["models"]]
+    problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
+                 if m not in study["models"]]
+    problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
+                 (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
     if problems:
         return problems
     try:
@@ -309,7 +327,7 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                             f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
                             f"engine mode training uses")
     shared_init = any(study_init_config(config, m) is not None for m in study["models"])
-    for arm, overrides in study["arms"].items():
+    for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
         if shared and shared_init:
             problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "

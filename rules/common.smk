@@ -3,7 +3,7 @@
 import re
 
 from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, search_points,
-                          study_init_config, study_points, study_resources, tiny_flags, train_points)
+                          study_arm_names, study_init_config, study_points, study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])

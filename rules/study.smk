@@ -114,7 +114,7 @@ def study_manifest_text():
 
     study = config["study"]
     cells = [{k: p[k] for k in ("cell", "model", "arm", "seed")} for p in STUDY.values()]
-    return json.dumps({"models": study["models"], "arms": list(study["arms"]), "seeds": study["seeds"],
+    return json.dumps({"models": study["models"], "arms": study_arm_names(study), "seeds": study["seeds"],
                        "reference_arm": study["reference_arm"], "label": study["label"],
                        "cells": cells, "probe_configs": CONFIGS}, indent=1)
 

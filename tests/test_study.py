@@ -32,7 +32,8 @@ def test_overrides_merge_key_by_key_numerics_included():
 def test_study_cells_are_unique_and_name_model_arm_seed(config):
     points = study_points(config)
     study = config["study"]
-    assert len(points) == len(study["models"]) * len(study["arms"]) * len(study["seeds"]) >= 4 * 12 * 3
+    extra = sum(len(a or {}) for a in (study.get("size_arms") or {}).values())
+    assert len(points) == (len(study["models"]) * len(study["arms"]) + extra) * len(study["seeds"]) >= 4 * 12 * 3
     assert len({p["cell"] for p in points}) == len(points)
     for p in points:
         assert p["cell"] == f"{p['model']}/{p['arm']}/seed{p['seed']}" and p["config"]["seed"] == p["seed"]
@@ -50,8 +51,8 @@ def test_study_cells_are_unique_and_name_model_arm_seed(config):
 
 
 def test_gpu_study_sizes_and_resources():
-    lr = {m: p["config"]["learning_rate"] for p in study_points(STUDY) for m in [p["model"]]}
-    assert len(set(lr.values())) > 1  # per-size settings reach the cells
+    steps = {m: p["config"]["steps"] for p in study_points(STUDY) for m in [p["model"]]}
+    assert len(set(steps.values())) > 1  # per-size settings reach the cells
     small, large = study_resources(STUDY, "qwen3-0.6b"), study_resources(STUDY, "qwen3-8b")
     assert small["gpu"] == 1 and small["launch"] == "single"
     assert large["gpu"] > 1 and large["launch"] == "fsdp2" and large["mem_mb"] > small["mem_mb"]
@@ -352,3 +353,27 @@ def test_latex_tables_keep_few_columns():
     tex = latex_collapse(table)
     assert "peak_reward" not in tex and "eval accuracy" in tex and tex.shape[1] <= 8
     assert tex.iloc[0].tolist() == ["m", "none", "1/3", 1, 2, "12", "0.5 ± 0.1", "0.2 ± 0"]
+
+
+def test_readme_gpu_budget_is_the_one_computed_from_the_config():
+    from analysis.gpu_budget import budget, markdown
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- gpu-budget:begin -->\n")[1].split("<!-- gpu-budget:end -->")[0]
+    rows = budget(STUDY)
+    assert block == markdown(rows)
+    for r in rows:  # every run fits its job's wall time (a longer one would rely on retries)
+        assert r["wall_h_per_run"] <= r["runtime_h"] <= 24, r
+
+
+def test_gpu_study_settings_can_show_a_collapse():
+    """Constant lr, several updates per rollout batch, long completions, an FP32 control, and the
+    positive control on the smallest size only."""
+    points = study_points(STUDY)
+    run = points[0]["config"]
+    assert run["lr_scheduler_type"] == "constant" and run["updates_per_generation"] > 1
+    assert run["max_completion_length"] >= 4096 and run["task"]["name"] == "math"
+    arms = {(p["model"], p["arm"]) for p in points}
+    smallest = STUDY["study"]["models"][0]
+    assert (smallest, "perturb-mantissa4") in arms and ("qwen3-8b", "perturb-mantissa4") not in arms
+    assert all((m, "fp32") in arms for m in STUDY["study"]["models"])
