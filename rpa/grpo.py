@@ -363,6 +363,13 @@ def _make_trainer_class():
                         self.model, ids, mask, out["completion_ids"].size(1),
                         batch_size=self.args.per_device_train_batch_size)
             keep = out["completion_mask"].bool()
+            # a non-finite sampler logprob (vLLM can return -inf/NaN for a token it sampled at a
+            # temperature) must not reach the mismatch metrics or, as PPO's old logprob, the ratio:
+            # such tokens leave the loss (mask 0) and are counted in every step's record
+            bad = keep & ~torch.isfinite(sampling)
+            if bad.any():
+                keep = keep & ~bad
+                out["completion_mask"] = out["completion_mask"] * (~bad).to(out["completion_mask"].dtype)
             rows = keep.nonzero(as_tuple=True)[0] + self.accelerator.process_index * keep.size(0)
             clipped = phantom_clipped(trainer, sampling, out["advantages"], self.epsilon_low, self.epsilon_high)[keep]
             # every rank's tokens: the metrics are over the step's completions, not one rank's share
@@ -372,6 +379,7 @@ def _make_trainer_class():
             m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                                  np.concatenate([p[2] for p in parts]))
             m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
+            m["nonfinite_sampler_logprobs"] = int(self.accelerator.gather(bad.sum().reshape(1)).sum())
             mode = "train" if self.model.training else "eval"
             for key, value in m.items():
                 if key != "sequences":

@@ -234,17 +234,50 @@ def gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
+_CONTINUATION = re.compile(r"\n\s*(Question|Problem)\s*:")
+"""Where a base model, having answered, starts writing the next exercise of its pretraining data."""
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return None
+
+
+def first_answer(text: str) -> str:
+    """The completion up to its first answer: through the line of its first ``#### N`` (GSM8K's
+    format), else through its first complete ``\\boxed{...}`` (MATH's), else up to where a new
+    ``Question:``/``Problem:`` begins. math-verify takes the *last* answer it finds, so a base
+    model that answers and then writes another exercise would otherwise be scored on that one."""
+    cut = _CONTINUATION.search(text)
+    head = text[:cut.start()] if cut else text
+    marker = head.find("####")
+    if marker >= 0:
+        end = head.find("\n", marker)
+        return head if end < 0 else head[:end]
+    boxed = head.find("\\boxed{")
+    if boxed >= 0:
+        close = _closing_brace(head, boxed + len("\\boxed"))
+        if close is not None:
+            return head[:close + 1]
+    return head
+
+
 def math_verify_correct(completion, gold: str, completion_ids=None, prompt=None) -> bool:
     return math_verify_reward(None, [completion], [gold])[0] == 1.0
 
 
 def math_verify_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when ``math_verify.verify`` accepts the completion's answer against the gold one."""
+    """1.0 when ``math_verify.verify`` accepts the completion's first answer (:func:`first_answer`)
+    against the gold one."""
     from math_verify import parse, verify
 
     out = []
     for completion, gold in zip(completions, answer):
-        text = _text(completion)
+        text = first_answer(_text(completion))  # the answer given, not a later exercise's
         gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$")
         try:
             ok = bool(gold_parsed) and verify(gold_parsed, parse(text))

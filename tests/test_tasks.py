@@ -94,3 +94,23 @@ def test_walk_has_many_right_answers_and_scores_steps():
     assert not task.correct(" 99 1 4 9 10 11 12 13", "1 2 3 4 5 6 7 8", prompt=prompt)
     with pytest.raises(ValueError, match="pass prompt="):
         task.correct(" 99", "1", None)
+
+
+@pytest.mark.parametrize("completion,gold", [
+    (" 5 + 3 = 8. #### 8\nQuestion: Tom has 2 apples and gets 2 more. How many?\nAnswer: 2 + 2 = 4 #### 4", "8"),
+    (" She pays 3 * 4 = 12 dollars.\n#### 12\n\nQuestion: A train leaves at 3 pm ... #### 7", "12"),
+    (" The answer is $\\boxed{8}$.\n\nProblem: compute 2+2.\nSolution: $\\boxed{4}$", "$\\boxed{8}$"),
+    (" so $x = \\frac{1}{2}$. #### 1/2\nQuestion: what is 3 - 1?\nAnswer: #### 2", "$\\frac{1}{2}$"),
+])
+def test_math_answers_are_scored_on_the_first_answer_not_a_continuation(completion, gold):
+    """A base model answers, then writes the next exercise; math-verify takes the last answer it
+    finds, so the continuation's answer used to score the completion (0 for a right answer)."""
+    from rpa.tasks import first_answer, math_verify_correct
+
+    assert math_verify_reward(None, [completion], [gold]) == [1.0]
+    assert math_verify_correct(completion, gold)
+    # the control: scored on the whole text, the same completion is wrong
+    assert math_verify_reward(None, [completion + "\n#### 999 \\boxed{999}"], [gold]) == [1.0]
+    from math_verify import parse, verify
+    assert not verify(parse(gold if "$" in gold else f"${gold}$"), parse(completion))
+    assert len(first_answer(completion)) < len(completion)
