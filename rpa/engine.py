@@ -162,3 +162,25 @@ def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: 
               **{**numerics.vllm_kwargs(), **llm_kwargs})
     verify_plugin(llm, regions, numerics.mantissa_bits)
     return llm
+
+
+def close_llm(llm) -> None:
+    """Shut ``llm``'s engine down before the trainer side loads: a colocated engine keeps
+    ``gpu_memory_utilization`` (vLLM's default 0.92) of the GPU, and an HF model loaded beside it
+    would have to fit in the rest. The caller then drops its reference and calls
+    :func:`release_memory`."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def release_memory() -> None:
+    """Collect dropped engines and models and empty the CUDA cache."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -109,7 +109,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     """Run the probe; writes ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from rpa.engine import make_llm
+    from rpa.engine import close_llm, make_llm, release_memory
     from rpa.provenance import provenance
 
     out = Path(out_dir)
@@ -132,7 +132,10 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         completions = load_completions(completions_path)
         _log(f"scoring {len(completions)} fixed completions from {completions_path}")
     mu, mu_dist = sampler_logprobs(llm, completions, vocab if full else None)
-    _log("vLLM scoring done; trainer side")
+    close_llm(llm)  # its memory back before the trainer model loads (vLLM holds most of a GPU)
+    del llm
+    release_memory()
+    _log("vLLM scoring done and engine closed; trainer side")
 
     hf, alignment = numerics.load_trainer_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model)

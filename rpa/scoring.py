@@ -150,9 +150,14 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *,
     return (picked, dist) if full else picked
 
 
-def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]:
-    """All sequences in one batch, laid out as TRL does: prompts left-padded, completions
-    right-padded, an attention mask and no ``position_ids``."""
+def trainer_batch_logprobs(model, completions, pad_id: int, batch_size: int | None = None,
+                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> list[list[float]]:
+    """All sequences laid out as TRL lays out a batch: prompts left-padded, completions
+    right-padded, an attention mask and no ``position_ids``; scored through the training path
+    (:func:`token_logps_and_entropy`: micro-batches of ``batch_size``, default all at once, and
+    the LM head + FP32 log-softmax ``chunk_tokens`` tokens at a time), so memory does not grow
+    with sequences x tokens x vocabulary (256 completions of ~500 tokens at Qwen3's 151,936
+    vocabulary would be 41 GB of BF16 logits at once)."""
     import torch
 
     device = next(model.parameters()).device
@@ -166,8 +171,8 @@ def trainer_batch_logprobs(model, completions, pad_id: int) -> list[list[float]]
         ids[i, p_len: p_len + len(y)] = torch.tensor(y)
         mask[i, p_len - len(p): p_len + len(y)] = 1
     with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-    logp = torch.log_softmax(logits[:, p_len - 1: -1], dim=-1).gather(-1, ids[:, p_len:, None].to(device))[..., 0]
+        logp, _ = token_logps_and_entropy(model, ids.to(device), mask.to(device), c_len, batch_size=batch_size,
+                                          chunk_tokens=chunk_tokens)
     return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
 
 

@@ -63,3 +63,19 @@ def test_chunked_training_scores_equal_the_plain_forward(tiny_dirs):
         assert torch.equal(logps.detach(), plain.gather(-1, ids[:, -12:, None])[..., 0].detach())
     for a, b in zip(*grads):
         assert ((a - b).norm() / b.norm()) < 1e-2
+
+
+def test_probe_batch_scoring_memory_is_bounded_at_qwen3_vocabulary(tmp_path):
+    """256 completions at Qwen3's 151,936-token vocabulary: the probe's padded-batch scoring goes
+    through the chunked training path, so its peak stays near one chunk of logits; the whole
+    batch's FP32 logits alone would be 256 x 40 x 151,936 x 4 bytes = 6.2 GB."""
+    import json
+
+    from tests.conftest import run_py, tail
+
+    proc = run_py(["tests/scripts/batch_scoring_peak.py", str(tmp_path / "bigvocab")], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])
+    grew = peak["peak_mb"] - peak["base_mb"]
+    print(f"batch scoring peak: +{grew:.0f} MB over the loaded model")
+    assert grew < 2500, peak
