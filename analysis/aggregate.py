@@ -30,7 +30,7 @@ from analysis.paired import fmt_change, paired_change, positions_only
 
 METRICS = ("tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
            "full_kl", "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside")
-PROBE_COLUMNS = ("model", "config", "regions", "precision", "lm_head_fp32", "trainer_mode", *METRICS,
+PROBE_COLUMNS = ("model", "config", "regions", "precision", "lm_head_fp32", "trainer_mode", *METRICS, "entropy",
                  "batch_vs_single_mean_abs_dlogp", "batch_vs_sampler_mean_abs_dlogp", "rel_mean_abs_dlogp_vs_none",
                  "mean_abs_dlogp_change", "mean_abs_dlogp_low", "mean_abs_dlogp_high", "change_note", "parity_passed")
 SINGLE_REGIONS = ("rope", "swiglu", "rmsnorm")
@@ -71,7 +71,7 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
         tv = s["trainer_batch_variance"]
         numerics[(model, config)] = s["config"]["numerics"]
         rows.append({"model": model, "config": config, **s["config"]["numerics"],
-                     **{m: s[m] for m in METRICS},
+                     **{m: s[m] for m in METRICS}, "entropy": s.get("entropy"),
                      "batch_vs_single_mean_abs_dlogp": tv["batch_vs_single"]["mean_abs_dlogp"],
                      "batch_vs_sampler_mean_abs_dlogp": tv["batch_vs_sampler"]["mean_abs_dlogp"],
                      "parity_passed": json.loads(parity.read_text())["passed"] if parity.exists() else None})
@@ -135,7 +135,7 @@ def _region_sentence(group: pd.DataFrame) -> str | None:
 def markdown(df: pd.DataFrame) -> str:
     cols = {"config": "config", "mean_abs_dlogp": "mean abs dlogp", "rel_mean_abs_dlogp_vs_none": "vs none",
             "change": "change vs none (95% CI)", "p99_abs_dlogp": "p99", "max_abs_dlogp": "max",
-            "frac_bitwise_equal": "bitwise eq", "kl_k3": "kl_k3", "full_kl": "full_kl",
+            "frac_bitwise_equal": "bitwise eq", "kl_k3": "kl_k3", "full_kl": "full_kl", "entropy": "entropy (nats)",
             "seq_log_ratio_mean_abs": "mean abs seq log-ratio",
             "batch_vs_single_mean_abs_dlogp": "trainer batch vs batch-1"}
     parts = []

@@ -20,11 +20,13 @@ from pathlib import Path
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
                "mismatch/seq_log_ratio_mean_abs", "mismatch/frac_ratio_outside", "mismatch/phantom_clip_rate",
-               "sync/mean_abs_dlogp", "sync/over_tolerance")
-TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "logp_trainer_batch")
-TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv"),
+               "mismatch/nonfinite_sampler_logprobs", "sync/mean_abs_dlogp", "sync/over_tolerance")
+TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler", "logp_trainer_batch",
+                 "entropy_trainer")
+TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),
           "study": ("study_collapse.csv", "study_collapse.md", "study_collapse.tex", "study_mismatch.csv",
-                    "study_mismatch.md", "study_mismatch.tex", "probe.csv", "probe.md")}
+                    "study_mismatch.md", "study_mismatch.tex", "study_sensitivity.csv", "study_sensitivity.md",
+                    "study_sensitivity.tex", "probe.csv", "probe.md")}
 FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch")}
 
 
@@ -46,7 +48,7 @@ def copy_probe(src: Path, dst: Path) -> None:
         writer = csv.DictWriter(f_out, fieldnames=list(TOKEN_COLUMNS))
         writer.writeheader()
         for row in csv.DictReader(f_in):
-            writer.writerow({k: row[k] for k in TOKEN_COLUMNS})
+            writer.writerow({k: row.get(k, "") for k in TOKEN_COLUMNS})  # older probes: no entropy column
 
 
 def main() -> None:

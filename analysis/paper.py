@@ -163,12 +163,25 @@ def dose_parts(results: Path, out_dir: Path) -> str:
         "\\end{itemize}"
 
 
-def commit_of(results: Path) -> str:
-    for path in sorted(results.glob("study/*/*/seed*/summary.json"))[:1]:
+def _commits(paths) -> list[str]:
+    out = []
+    for path in paths:
         prov = json.loads(path.read_text()).get("provenance") or {}
-        commit = (prov.get("git_commit") or "unknown")[:10]
-        return commit + ("+dirty" if prov.get("git_dirty") else "")
-    return "unknown"
+        commit = (prov.get("git_commit") or "unknown")[:10] + ("+dirty" if prov.get("git_dirty") else "")
+        if commit not in out:
+            out.append(commit)
+    return out
+
+
+def commit_of(results: Path) -> str:
+    """The commit(s) the runs came from, and the probes' where they differ (a probe stage may be
+    re-run at a later commit than the training runs)."""
+    runs = _commits(sorted(results.glob("study/*/*/seed*/summary.json")))
+    probes = _commits(sorted(results.glob("probe/*/*/summary.json")))
+    text = ", ".join(runs) or "unknown"
+    if probes and probes != runs:
+        text = f"{text} (runs), {', '.join(probes)} (probes)"
+    return text
 
 
 def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None) -> Path:

@@ -184,6 +184,14 @@ def _probe_numerics(results: Path, model: str, config: str) -> dict | None:
     return json.loads(path.read_text())["config"].get("numerics") if path.exists() else None
 
 
+def _probe_entropy(results: Path, model: str, config: str) -> float | None:
+    """The trainer's mean next-token entropy (nats) over the probe's completion tokens: mismatch
+    tracks it, so each probe's mismatch is reported with it (None for probes made before it was
+    recorded)."""
+    path = results / "probe" / model / config / "summary.json"
+    return json.loads(path.read_text()).get("entropy") if path.exists() else None
+
+
 def _run_numerics(results: Path, manifest: dict, model: str, arm: str) -> dict | None:
     for c in manifest["cells"]:
         path = results / "study" / c["cell"] / "config.json"
@@ -217,7 +225,8 @@ def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
         ref_tokens = pd.read_csv(ref_path) if ref_path.exists() else None
         ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(results, manifest, model, ref)
         for arm in arms_of(manifest, model):
-            row = {"model": model, "arm": arm, "probe_note": None}
+            row = {"model": model, "arm": arm, "probe_note": None,
+                   "probe_entropy": _probe_entropy(results, model, arm)}
             path = results / "probe" / model / arm / "tokens.csv"
             numerics = _probe_numerics(results, model, arm) or _run_numerics(results, manifest, model, arm)
             if arm != ref and positions_only(numerics, ref_numerics):
@@ -246,7 +255,7 @@ def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
             rows.append(row)
     cols = ["model", "arm"] + [f"probe_{k}{s}" for k in ("mean_abs_dlogp", "kl_k3") for s in ("", "_change", "_low",
                                                                                           "_high")] + \
-        ["probe_note", "train_mean_abs_dlogp", "train_kl_k3", "train_mean_abs_dlogp_change", "train_mean_abs_dlogp_low",
+        ["probe_note", "probe_entropy", "train_mean_abs_dlogp", "train_kl_k3", "train_mean_abs_dlogp_change", "train_mean_abs_dlogp_low",
          "train_mean_abs_dlogp_high", "train_paired_seeds"]
     return pd.DataFrame(rows).reindex(columns=cols).astype({"train_paired_seeds": "Int64"})
 
@@ -270,6 +279,7 @@ def readable_mismatch(table: pd.DataFrame, ref: str | None = None) -> pd.DataFra
     for key in ("mean_abs_dlogp", "kl_k3"):
         out[f"probe {key}"] = table[f"probe_{key}"]
         out[f"{key} change (95% CI)"] = _probe_cell(table, key)
+    out["probe entropy"] = table["probe_entropy"]
     out["train mean_abs_dlogp"] = table["train_mean_abs_dlogp"]
     out["train kl_k3"] = table["train_kl_k3"]
     out["train mean_abs_dlogp change (95% CI)"] = _train_cell(table, ref)
@@ -281,7 +291,7 @@ def latex_mismatch(table: pd.DataFrame, ref: str | None = None) -> pd.DataFrame:
     paired in-training change (kl_k3 and the per-arm in-training means are in the CSV and
     Markdown only)."""
     return pd.DataFrame({"model": table["model"], "arm": table["arm"],
-                         "probe abs dlogp": table["probe_mean_abs_dlogp"],
+                         "probe abs dlogp": table["probe_mean_abs_dlogp"], "probe entropy": table["probe_entropy"],
                          "probe change (95% CI)": _probe_cell(table, "mean_abs_dlogp"),
                          "training change (95% CI)": _train_cell(table, ref)})
 
