@@ -239,9 +239,12 @@ def _make_trainer_class():
     from rpa.scoring import sync_gap, token_logps_and_entropy
 
     class RpaGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], **kwargs):
+        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None, **kwargs):
+            from rpa.timing import Timings
+
             self.rpa_config = rpa_config
             self.rpa_probe_ids = probe_ids
+            self.rpa_timings = timings if timings is not None else Timings()
             with _colocated_llm_args(rpa_config):
                 super().__init__(*args, **kwargs)
             from rpa.engine import verify_plugin
@@ -265,6 +268,12 @@ def _make_trainer_class():
                 self.check_sync()
 
             self.vllm_generation.sync_weights = sync_and_check
+            timings = self.rpa_timings
+            gen = self.vllm_generation
+            gen.generate = timings.wrap("generate", gen.generate)
+            gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
+            self.check_sync = timings.wrap("sync_check", self.check_sync)
+            self.rpa_evaluate = timings.wrap("evaluate", self.rpa_evaluate)
             self.rpa_last_sync_gap = self.check_sync()  # vLLM starts from the same weights as the trainer
 
         def _check_engine_config(self, llm) -> None:
@@ -315,7 +324,8 @@ def _make_trainer_class():
                                                **multimodal):
             if any(v is not None for v in multimodal.values()) or compute_aux_loss:
                 raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
-            with self.accelerator.autocast():
+            phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
+            with self.rpa_timings.phase(phase), self.accelerator.autocast():
                 logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
                                                          self.temperature, batch_size, compute_entropy,
                                                          chunk_tokens=self.rpa_config.logprob_chunk_tokens)
@@ -345,7 +355,15 @@ def _make_trainer_class():
             self.rpa_last_eval_step = step
             return record
 
+        def training_step(self, *args, **kwargs):
+            with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
+                return super().training_step(*args, **kwargs)
+
         def _generate_and_score_completions(self, inputs):
+            with self.rpa_timings.phase("generate_and_score"):
+                return self._rpa_generate_and_score(inputs)
+
+        def _rpa_generate_and_score(self, inputs):
             out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
             step = self.state.global_step
             every = self.rpa_config.eval_every
@@ -512,6 +530,12 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         return done
     t0 = time.time()
     from rpa.provenance import provenance
+    from rpa.timing import Timings, process_age_s
+
+    timings = Timings()
+    age = process_age_s()
+    if age is not None:
+        timings.add("process_start_to_run", age)  # interpreter start, imports, CLI
 
     started = provenance()  # the code that ran is the code at the start
 
@@ -537,7 +561,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
             tmp.rename(cfg_path)  # atomic: other ranks may read it
         if not (init_dir / "config.json").exists():  # also after a kill between config.json and init_model
             _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
-            prepare_init_model(cfg, rows, init_dir)
+            with timings.phase("init_model"):  # the warm start, and the BF16 checkpoint both engines load
+                prepare_init_model(cfg, rows, init_dir)
     else:
         wait_for(init_dir / "config.json", rank(), _log)
 
@@ -572,13 +597,16 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         trainer_cls = _make_trainer_class()
         args = _grpo_args(cfg, out)
         settings = grpo_settings(args)
-        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args,
+        trainer_init = time.perf_counter()
+        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                               callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
                               rpa_config=cfg, probe_ids=probe)
+        timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
         trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
         try:
-            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+            with timings.phase("train"):
+                trainer.train(resume_from_checkpoint=str(resume) if resume else None)
             if cfg.eval_every and eval_rows and getattr(trainer, "rpa_last_eval_step", None) != cfg.steps:
                 trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
                 trainer.rpa_evaluate(cfg.steps)
@@ -607,7 +635,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "status": "ok" if error is None else "diverged" if diverged else "collapsed" if blew_up else "error",
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
-               "grpo": settings, "prompts_dropped_too_long": dropped, "provenance": started}
+               "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped, "provenance": started}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     if error is not None and not blew_up:
         raise error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
@@ -369,11 +370,31 @@ def search_points(config: dict[str, Any], stage: str | None = None) -> list[dict
             labels = {axis: label for (axis, _), (label, _) in zip(axes, combo)}
             for seed in stage_cfg["seeds"]:
                 cell = "/".join([name, *labels.values(), f"seed{seed}"])
-                points.append({"cell": cell, "stage": name, "labels": labels, "seed": seed, "model": model,
-                               "config": {**run, "seed": seed,
-                                          "model": model_location(config, model) if model in config["models"]
-                                          else model}})
+                cfg = {**run, "seed": seed,
+                       "model": model_location(config, model) if model in config["models"] else model}
+                point = {"cell": cell, "stage": name, "labels": labels, "seed": seed, "model": model,
+                         "init": None, "config": cfg}
+                if stage_cfg.get("shared_warm_start") and (cfg.get("warm_start") or {}).get("steps", 0) > 0:
+                    point["init"] = search_init(config, cfg)
+                    point["config"] = {**cfg, "model": point["init"]["dir"],
+                                       "warm_start": {**cfg["warm_start"], "steps": 0}}
+                points.append(point)
     return points
+
+
+def search_init(config: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The shared warm start of a search cell: one ``rpa warm-start`` per model, task, warm-start
+    settings, prompt length and seed (the warm start depends on nothing else), in
+    ``search/init/<model>-ws<steps>-seed<N>-<hash>``; every arm of a seed starts from it, as it
+    would from its own identical warm start, without repeating it."""
+    import hashlib
+    import json
+
+    keys = ("model", "task", "warm_start", "max_prompt_length", "seed")
+    init_cfg = {**run}
+    digest = hashlib.sha1(json.dumps({k: run.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{Path(str(run['model'])).name}-ws{run['warm_start']['steps']}-seed{run['seed']}-{digest}"
+    return {"name": name, "dir": f"{config['results']}/search/init/{name}", "config": init_cfg}
 
 
 def _search_problems(config: dict[str, Any]) -> list[str]:

@@ -67,10 +67,43 @@ rule search_config:
             yaml.safe_dump(SEARCH[wildcards.cell]["config"], f, sort_keys=False)
 
 
+SEARCH_INITS = {p["init"]["name"]: p for p in SEARCH.values() if p["init"]}
+
+
+def search_train_input(wildcards):
+    point = SEARCH[wildcards.cell]
+    if point["init"]:
+        return [f"{R}/search/init/{point['init']['name']}/config.json"]
+    return model_files(point["model"])
+
+
+rule search_init:
+    input:
+        lambda wc: model_files(SEARCH_INITS[wc.name]["model"]),
+    output:
+        f"{R}/search/init/{{name}}/config.json",
+    params:
+        out=lambda wc: f"{R}/search/init/{wc.name}",
+        cfg=lambda wc: f"{R}/search/init/{wc.name}.yaml",
+    log:
+        f"{R}/logs/search/init/{{name}}.log",
+    conda:
+        ENV
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    run:
+        import yaml
+
+        with open(params.cfg, "w") as f:
+            yaml.safe_dump(SEARCH_INITS[wildcards.name]["init"]["config"], f, sort_keys=False)
+        shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
+
+
 rule search_train:
     input:
         cfg=f"{R}/search/{{cell}}/run.yaml",
-        model=lambda wc: model_files(SEARCH[wc.cell]["model"]),
+        model=search_train_input,
     output:
         # the summary is written for every end of a run (ok, collapsed, diverged, error); a killed
         # run has none, so Snakemake reruns it and `rpa train` resumes from its last checkpoint
