@@ -2,6 +2,7 @@
 
     python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what dose
     python -m analysis.export_reference --results results/study-cpu --out results/reference/study-cpu --what study
+    python -m analysis.export_reference --results results/collapse-cpu --out results/reference/collapse-cpu --what search
 
 Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
@@ -26,8 +27,11 @@ TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", 
 TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),
           "study": ("study_collapse.csv", "study_collapse.md", "study_collapse.tex", "study_mismatch.csv",
                     "study_mismatch.md", "study_mismatch.tex", "study_sensitivity.csv", "study_sensitivity.md",
-                    "study_sensitivity.tex", "probe.csv", "probe.md")}
-FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch")}
+                    "study_sensitivity.tex", "probe.csv", "probe.md"),
+          "search": tuple(f"search_{stage}.{ext}" for stage in ("pilot", "grid", "ablation", "lever")
+                          for ext in ("csv", "md", "json"))}
+FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch"),
+           "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever"))}
 
 
 def copy_run(src: Path, dst: Path) -> None:
@@ -55,15 +59,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--what", choices=("dose", "study"), required=True)
+    parser.add_argument("--what", choices=("dose", "study", "search"), required=True)
     args = parser.parse_args()
-    runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json"))
+    runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json")
+                  if "init" not in p.relative_to(args.results / args.what).parts)  # shared warm starts: no
     if not runs:
         raise SystemExit(f"export: no runs under {args.results / args.what}")
     for folder in (args.what, "probe") if args.what == "study" else (args.what,):
         shutil.rmtree(args.out / folder, ignore_errors=True)  # no stale runs from an earlier export
     for run in runs:
         copy_run(run, args.out / run.relative_to(args.results))
+    if args.what == "search":
+        for manifest in sorted((args.results / "search").glob("*/manifest.json")):
+            shutil.copy2(manifest, args.out / manifest.relative_to(args.results))
     if args.what == "study":
         shutil.copy2(args.results / "study/manifest.json", args.out / "study/manifest.json")
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
