@@ -114,3 +114,23 @@ def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
         assert (res / f"figures/{name}.png").stat().st_size > 10_000
     again = snakemake("--cores", "2", "--configfile", str(cfg))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
+
+
+def test_lock_checker_finds_conflicts_and_missing_pins():
+    """requirements/check_lock.py's judgement on hand-made metadata (the real run reads the index)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_lock", REPO / "requirements/check_lock.py")
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    pins = {"torch": "2.13.0", "triton": "3.9.0", "vllm": "0.32.0", "extra-dep": "1.0"}
+    meta = {"torch": ['triton==3.7.1; platform_system == "Linux"', 'nvidia-nccl-cu13==2.29.7; sys_platform == "win32"'],
+            "vllm": ["torch==2.13.0", "zentorch==2.13.0.1; extra == 'zen'", "x-lib>=1; platform_system == 'Linux'"],
+            "triton": [], "extra-dep": []}
+    problems = lock.check(pins, meta, "3.11")
+    assert any(p.startswith("conflict: torch==2.13.0 requires 'triton==3.7.1") for p in problems)
+    assert any(p.startswith("missing: vllm==0.32.0 requires 'x-lib>=1") for p in problems)
+    assert not any("nccl" in p or "zentorch" in p for p in problems)  # markers: windows-only, an extra
+    assert len(problems) == 2
+    assert lock._wheel_fits("hf_xet-1.8.0-cp37-abi3-manylinux_2_17_x86_64.whl", "3.11")
+    assert not lock._wheel_fits("torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl", "3.11")
