@@ -129,7 +129,7 @@ def test_lock_checker_finds_conflicts_and_missing_pins():
             "triton": [], "extra-dep": []}
     problems = lock.check(pins, meta, "3.11")
     assert any(p.startswith("conflict: torch==2.13.0 requires 'triton==3.7.1") for p in problems)
-    assert any(p.startswith("missing: vllm==0.32.0 requires 'x-lib>=1") for p in problems)
+    assert any(p.startswith("missing: vllm==0.32.0 requires") and "x-lib>=1" in p for p in problems)
     assert not any("nccl" in p or "zentorch" in p for p in problems)  # markers: windows-only, an extra
     assert len(problems) == 2
     assert lock._wheel_fits("hf_xet-1.8.0-cp37-abi3-manylinux_2_17_x86_64.whl", "3.11")
