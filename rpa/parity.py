@@ -126,15 +126,14 @@ def _logprob_gap(a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
 def _engine_logprobs(model_dir: str, numerics, batch, **engine_kwargs) -> list[list[float]]:
     """Prompt logprobs of ``batch`` from a fresh engine (in this process; the previous one
     must be gone)."""
-    import gc
-
     from rpa import engine
     from rpa.scoring import sampler_logprobs
 
     llm = engine.make_llm(model_dir, numerics, **engine_kwargs)
     logprobs, _ = sampler_logprobs(llm, _sequences(batch), None)
+    engine.close_llm(llm)  # each engine of --compiled gives its memory back before the next starts
     del llm
-    gc.collect()
+    engine.release_memory()
     return logprobs
 
 
@@ -148,8 +147,6 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None, *,
     the compiled engine is checked as a whole instead: its prompt logprobs must equal an
     eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine).
     """
-    import gc
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpa import engine
@@ -182,8 +179,9 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None, *,
     engine.start_capture(llm)
     vllm_logprobs, _ = sampler_logprobs(llm, _sequences(batch), None)
     captured = engine.stop_capture(llm)
+    engine.close_llm(llm)  # memory back before the next engine or the trainer model
     del llm
-    gc.collect()
+    engine.release_memory()
 
     if compiled:  # the compiled engine as a whole: same bits as an eager one
         eager = _engine_logprobs(model_dir, numerics, batch, enforce_eager=True, multiprocess=multiprocess)
