@@ -193,6 +193,12 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
            "rungs": rungs, "pooled": pooled, "reference_collapsed": k, "reference_runs": n,
            "reference_collapse_rate_interval": [low, high]}
     per_rung = "; ".join(f"{e['rung']}: {ref} {e['reference']}, {ctl} {e['control']}" for e in rungs)
+    unfinished = int((runs["state"] != "finished").sum())
+    if unfinished:  # the rule is over the whole grid: no verdict from a part of it
+        out.update(outcome="incomplete", unfinished=unfinished)
+        out["statement"] = (f"The grid is incomplete: {len(runs) - unfinished} of {len(runs)} runs finished "
+                            f"({per_rung or 'none yet'}); the decision rule is applied once every run has finished.")
+        return out
     if collapsing and more_often:
         out["outcome"] = "collapses naturally"
         out["collapsing_rungs"] = collapsing

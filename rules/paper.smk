@@ -6,6 +6,8 @@ def paper_inputs(wildcards=None):
     inputs = study_outputs() + probe_tables() + analysis_figures()
     if DOSE:
         inputs += [f"{R}/tables/dose.md", f"{R}/tables/dose.csv", f"{R}/figures/dose_response.{FIGURES['format']}"]
+    if config["search_results"]:
+        inputs += [f"{config['search_results']}/tables/search_pilot.json"]
     if config["dose_results"]:
         inputs += [f"{config['dose_results']}/tables/dose_runs.csv", f"{config['dose_results']}/figures/dose_response.png"]
     return inputs
@@ -24,5 +26,6 @@ rule paper:
         ENV
     params:
         dose=f"--dose-results {config['dose_results']}" if config["dose_results"] else "",
+        search=f"--search-results {config['search_results']}" if config["search_results"] else "",
     shell:
-        "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} > {log} 2>&1"
+        "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} {params.search} > {log} 2>&1"

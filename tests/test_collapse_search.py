@@ -128,3 +128,38 @@ def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
     table, choice = pilot(runs, {"min_entropy": 0.3, "reward_low": 0.3, "reward_high": 0.7})
     assert choice["chosen"] == "pilot/c/seed0" and choice["eligible"] == 2  # a: entropy, d: reward out of range
     assert table["chosen"].sum() == 1
+
+
+def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
+    config = copy.deepcopy(CONFIG)
+    config["search"]["stages"]["grid"] = {
+        "seeds": [0, 1], "shared_warm_start": True,
+        "overrides": {"model": "deep8", "warm_start": {"steps": 40}},
+        "axes": {"lr": {"lr1": {"learning_rate": 1e-4}, "lr2": {"learning_rate": 2e-4}},
+                 "arm": {"fp32": {"numerics": {"precision": "fp32"}}, "none": {}, "all": {"numerics": {"regions": "all"}}}}}
+    check_config(config)
+    grid = [p for p in search_points(config, "grid")]
+    inits = {p["init"]["name"] for p in grid}
+    assert len(grid) == 12 and len(inits) == 2  # one per seed, shared by every lr and arm
+    for p in grid:
+        assert p["config"]["model"] == p["init"]["dir"] and p["config"]["warm_start"]["steps"] == 0
+        assert p["init"]["config"]["warm_start"]["steps"] == 40 and p["init"]["config"]["seed"] == p["seed"]
+    # the pilot keeps its own per-run warm start
+    assert all(p["init"] is None for p in search_points(config, "pilot"))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", str(path), "--config",
+                     f"results={tmp_path / 'r'}")
+    assert proc.returncode == 0, tail(proc)
+    counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1].isdigit()}
+    assert counts["search_init"] == 2 and counts["search_train"] == 12
+
+
+def test_an_incomplete_grid_gets_no_verdict(tmp_path):
+    manifest = _grid(tmp_path, none_falls=3, fp32_falls=0)
+    missing = tmp_path / "search" / manifest["cells"][0]["cell"] / "summary.json"
+    missing.unlink()
+    runs, _ = load_runs(tmp_path, manifest)
+    d = decision(runs, RULE)
+    assert d["outcome"] == "incomplete" and "15 of 16 runs finished" in d["statement"]

@@ -182,3 +182,21 @@ def test_probe_figure_panels_follow_the_configs_model_order(tmp_path):
                           for m in alphabetical[:4] for c in ("none", "all")])
     mismatch_figure(probe, tmp_path / "m.png", model_order(tmp_path, list(probe["model"])))
     assert (tmp_path / "m.png").stat().st_size > 10_000
+
+
+def test_the_search_section_comes_from_the_committed_search(tmp_path):
+    from analysis.paper import search_section
+
+    committed = REPO / "results/reference/collapse-cpu"
+    if not (committed / "tables/search_pilot.json").exists():
+        pytest.skip("no committed search results")
+    path = search_section(committed, tmp_path)
+    text = path.read_text()
+    chosen = json.loads((committed / "tables/search_pilot.json").read_text())["chosen"]
+    assert "\\section{A natural collapse?" in text and chosen.replace("_", "\\_") in text.replace("\\_", "_") or chosen in text
+    grid = committed / "tables/search_grid.json"
+    if grid.exists():
+        assert json.loads(grid.read_text())["decision"]["statement"][:40].split("(")[0] in text.replace("\\", "")
+    else:
+        assert "The grid has not run yet" in text
+    assert search_section(None, tmp_path) is None and not path.exists()  # no search: no section, none left over
