@@ -21,7 +21,8 @@ from pathlib import Path
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
                "mismatch/seq_log_ratio_mean_abs", "mismatch/frac_ratio_outside", "mismatch/phantom_clip_rate",
-               "mismatch/nonfinite_sampler_logprobs", "sync/mean_abs_dlogp", "sync/over_tolerance")
+               "mismatch/nonfinite_sampler_logprobs", "sync/mean_abs_dlogp", "sync/over_tolerance",
+               "fp16/loss_scale", "fp16/skipped_step")
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler", "logp_trainer_batch",
                  "entropy_trainer")
 TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),

@@ -3,7 +3,8 @@
 The rule, in one sentence (:func:`rule_text` writes it with a run's own thresholds, for the
 README and the paper): *a run collapses at the first step from which its smoothed reward stays
 below ``drop_fraction`` of its running best for ``min_steps_after_drop`` consecutive logged
-steps, or at the first step whose loss, grad norm or reward is non-finite.*
+steps, or at the first step whose loss, grad norm or reward is non-finite* (a step that FP16
+dynamic loss scaling skipped for an overflow, logged ``fp16/skipped_step``, is not one).
 
 - The smoothed reward is a trailing mean over ``smoothing_window`` steps; the running best is
   taken over full windows only (a lucky first batch is not a level to fall from), and counts
@@ -71,7 +72,7 @@ def rule_text(t: CollapseThresholds) -> str:
             f"{t.smoothing_window} steps, stays below {_fraction(t.drop_fraction)} of its running best "
             f"(best over full windows, once at least {t.min_best_reward:g}) for {t.min_steps_after_drop} "
             f"consecutive logged steps, or at the first step whose loss, gradient norm or reward is "
-            f"non-finite. A later return above that level does not undo a collapse (it is reported as "
+            f"non-finite (a step that FP16 loss scaling skipped for an overflow is not one). A later return above that level does not undo a collapse (it is reported as "
             f"a recovery); a drop that reaches the end of the run in fewer than {t.min_steps_after_drop} "
             f"steps is unconfirmed. Gradient-norm spikes (above {t.spike_factor:g} times the running "
             f"median) are reported as events, not as collapses.")
@@ -96,10 +97,16 @@ def grad_spikes(grads: list[float], t: CollapseThresholds) -> list[tuple[int, fl
     return out
 
 
+SKIPPED_STEP_KEY = "fp16/skipped_step"
+"""Logged 1 for a step that FP16 dynamic loss scaling skipped (its scaled gradients overflowed,
+so their norm is infinite by design): not a blow-up (:mod:`rpa.loss_scale`)."""
+
+
 def _first_nonfinite(records: list[dict[str, Any]], reward: np.ndarray, loss_key: str,
                      grad_key: str) -> tuple[int, str] | None:
     for i, r in enumerate(records):
-        bad = [k for k in (loss_key, grad_key) if k in r and r[k] is not None and not math.isfinite(float(r[k]))]
+        keys = (loss_key,) if r.get(SKIPPED_STEP_KEY) else (loss_key, grad_key)
+        bad = [k for k in keys if k in r and r[k] is not None and not math.isfinite(float(r[k]))]
         if bad or not math.isfinite(reward[i]):
             return i, f"non-finite {', '.join(bad) or 'reward'}"
     return None

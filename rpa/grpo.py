@@ -235,6 +235,7 @@ def _make_trainer_class():
     from accelerate.utils import gather_object
     from trl import GRPOTrainer
 
+    from rpa.loss_scale import DynamicLossScale
     from rpa.metrics import mismatch_metrics
     from rpa.scoring import sync_gap, token_logps_and_entropy
 
@@ -275,6 +276,13 @@ def _make_trainer_class():
             self.check_sync = timings.wrap("sync_check", self.check_sync)
             self.rpa_evaluate = timings.wrap("evaluate", self.rpa_evaluate)
             self.rpa_last_sync_gap = self.check_sync()  # vLLM starts from the same weights as the trainer
+            # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
+            num = rpa_config.numerics
+            self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
+                else None
+            self.rpa_unscaled, self.rpa_found_inf = False, False
+            if self.rpa_loss_scale is not None:
+                self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
 
         def _check_engine_config(self, llm) -> None:
             mc = llm.llm_engine.model_config
@@ -357,7 +365,41 @@ def _make_trainer_class():
 
         def training_step(self, *args, **kwargs):
             with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
-                return super().training_step(*args, **kwargs)
+                if self.rpa_loss_scale is None:
+                    return super().training_step(*args, **kwargs)
+                self._rpa_wrap_optimizer_step()
+                return super().training_step(*args, **kwargs) / self.rpa_loss_scale.scale  # the loss as logged
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            return loss if self.rpa_loss_scale is None else loss * self.rpa_loss_scale.scale
+
+        def _rpa_unscale(self) -> None:
+            """Divide the FP32 master gradients by the loss scale once per optimizer step."""
+            if not self.rpa_unscaled:
+                self.rpa_found_inf = self.rpa_loss_scale.unscale_(self.model.parameters())
+                self.rpa_unscaled = True
+
+        def _rpa_wrap_optimizer_step(self) -> None:
+            """Skip the optimizer step when the unscaled gradients are not finite (and tell
+            accelerate it was skipped, so the scheduler waits), then update the scale."""
+            opt = self.optimizer
+            if getattr(opt, "_rpa_loss_scaled", False):
+                return
+            stock = opt.step
+
+            def step(*args, **kwargs):
+                self._rpa_unscale()
+                found, scaler = self.rpa_found_inf, self.rpa_loss_scale
+                self._metrics["train"]["fp16/loss_scale"].append(scaler.scale)
+                self._metrics["train"]["fp16/skipped_step"].append(float(found))
+                scaler.update(found)
+                self.rpa_unscaled = False
+                opt._is_overflow = found  # accelerate's optimizer_step_was_skipped
+                return None if found else stock(*args, **kwargs)
+
+            opt.step = step
+            opt._rpa_loss_scaled = True
 
         def _generate_and_score_completions(self, inputs):
             with self.rpa_timings.phase("generate_and_score"):

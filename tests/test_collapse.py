@@ -179,3 +179,12 @@ def test_the_readme_states_the_rule_as_coded():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     quoted = " ".join(line.strip()[2:] for line in readme.splitlines() if line.strip().startswith("> "))
     assert re.sub(r"\s+", " ", rule_text(CollapseThresholds())) in re.sub(r"\s+", " ", quoted)
+
+
+def test_a_step_fp16_loss_scaling_skipped_is_not_a_blow_up():
+    records = log([0.5] * 10, grads=[1.0] * 5 + [math.inf] + [1.0] * 4)
+    assert collapse_verdict(records)["collapsed"]  # an infinite grad norm is a blow-up...
+    records[5]["fp16/skipped_step"] = 1.0
+    assert not collapse_verdict(records)["collapsed"]  # ...unless loss scaling skipped that step by design
+    records[5]["loss"] = math.nan
+    assert collapse_verdict(records)["collapse_step"] == 6  # a non-finite loss still is
