@@ -595,6 +595,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if not rows:
         raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
                                f"tokens")
+    if len(rows) < cfg.prompts_per_step * cfg.updates_per_generation:
+        raise TrainConfigError(f"task: {len(rows)} usable prompts cannot fill one generation of "
+                               f"{cfg.prompts_per_step * cfg.updates_per_generation} (prompts_per_step x "
+                               f"updates_per_generation); the run would train nothing")
     init_dir = out / "init_model"
     if main:
         if not cfg_path.exists():

@@ -14,7 +14,7 @@ from typing import Any
 from rpa.collapse import CollapseThresholds
 from rpa.errors import UserError
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
-from rpa.tasks import TaskError, TaskSpec
+from rpa.tasks import SYNTHETIC, TaskError, TaskSpec
 
 IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_truncate",
                                          "sequence_mask": "sequence_mask"}
@@ -178,6 +178,10 @@ class TrainConfig:
         if self.numerics.device != "auto":
             raise TrainConfigError("numerics.device: training places the model where accelerate does; leave it 'auto'")
         self.micro_batching()  # raises on a split that does not add up
+        batch = self.prompts_per_step * self.updates_per_generation
+        if self.task.name in SYNTHETIC and self.task.num_prompts < batch:
+            raise TrainConfigError(f"task.num_prompts: {self.task.num_prompts} prompts cannot fill one generation of "
+                                   f"{batch} (prompts_per_step x updates_per_generation); the run would train nothing")
 
     def micro_batching(self, world_size: int = 1) -> tuple[int, int]:
         """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step

@@ -40,6 +40,7 @@ BASE = {
     ({"num_iterations": 1.5}, "num_iterations: must be an integer >= 1, got 1.5"),
     ({"eval_temperature": -1}, "eval_temperature: must be a number >= 0, got -1"),
     ({"task": {"name": "walk", "length": 0}}, "task: num_prompts, max_operand and length must be >= 1"),
+    ({"task": {"name": "count", "num_prompts": 3}}, "task.num_prompts: 3 prompts cannot fill one generation of 4"),
 ])
 def test_config_errors_name_the_key_and_load_nothing(tmp_path, patch, needle):
     cfg = tmp_path / "run.yaml"
