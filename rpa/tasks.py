@@ -118,14 +118,19 @@ COUNT_HELD_OUT = 0.2
 """Share of the (start, step) pairs of ``count`` kept for evaluation only."""
 
 
+def _split(items: list, held_out_share: float, seed: int, held_out: bool) -> tuple[list, random.Random]:
+    """The training or held-out part of ``items`` (one shuffle by ``seed``; the first
+    ``held_out_share`` is held out) and the generator that draws rows from it."""
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    cut = int(len(items) * held_out_share)
+    return (items[:cut] if held_out else items[cut:]), random.Random(seed + (1 if held_out else 0))
+
+
 def count_rows(n: int, length: int, seed: int, held_out: bool = False) -> list[dict[str, str]]:
     """``n`` prompts "count from a by k:" -> the next ``length`` numbers a + k, a + 2k, ... mod
     100. The 300 (a, k) pairs are split once (by ``seed``) into training and held-out pairs."""
-    pairs = [(a, k) for a in range(100) for k in COUNT_STEPS]
-    random.Random(seed).shuffle(pairs)
-    cut = int(len(pairs) * COUNT_HELD_OUT)
-    pool = pairs[:cut] if held_out else pairs[cut:]
-    rng = random.Random(seed + (1 if held_out else 0))
+    pool, rng = _split([(a, k) for a in range(100) for k in COUNT_STEPS], COUNT_HELD_OUT, seed, held_out)
     rows = []
     for _ in range(n):
         start, step = rng.choice(pool)
@@ -145,11 +150,7 @@ WALK_HELD_OUT = 0.2
 def walk_rows(n: int, length: int, seed: int, held_out: bool = False) -> list[dict[str, str]]:
     """``n`` prompts "walk from a:" with one random valid walk each as the answer (starts are
     split once, by ``seed``, into training and held-out starts; a start recurs with other walks)."""
-    starts = list(range(100))
-    random.Random(seed).shuffle(starts)
-    cut = int(len(starts) * WALK_HELD_OUT)
-    pool = starts[:cut] if held_out else starts[cut:]
-    rng = random.Random(seed + (1 if held_out else 0))
+    pool, rng = _split(list(range(100)), WALK_HELD_OUT, seed, held_out)
     rows = []
     for _ in range(n):
         x = start = rng.choice(pool)
