@@ -38,18 +38,19 @@ def table(summary: dict) -> str:
             ("trainer + vLLM engine start (compile), first sync check", g("trainer_and_engine_start"), 1),
             ("generation (vLLM)", g("generate"), calls.get("generate", 0)),
             ("weight sync into vLLM + sync check", g("sync_weights_and_check"), calls.get("sync_weights_and_check", 0)),
-            ("scoring: rewards, old logprobs, mismatch metrics", score, calls.get("generate_and_score", 0)),
+            ("scoring: rewards, old logprobs, mismatch metrics, evaluation", score,
+             calls.get("generate_and_score", 0)),
             ("  of which trainer forward, no grad", g("trainer_logprobs_no_grad"),
              calls.get("trainer_logprobs_no_grad", 0)),
+            ("  of which held-out evaluation", g("evaluate"), calls.get("evaluate", 0)),
             ("loss forward + backward", g("training_step") - g("generate_and_score"), calls.get("training_step", 0)),
-            ("optimizer, logging, checkpoints, evaluation", g("train") - g("training_step"), 0),
-            ("  of which evaluation", g("evaluate"), calls.get("evaluate", 0))]
+            ("optimizer, logging, checkpoints", g("train") - g("training_step"), 0)]
     rest = total - sum(v for label, v, _ in rows if not label.startswith("  "))
     rows.append(("summary, process exit, unaccounted", rest, 0))
-    lines = [f"{'phase':58s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
-    lines += [f"{label:58s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
+    lines = [f"{'phase':62s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
+    lines += [f"{label:62s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
     floor = g("generate") + g("trainer_logprobs_no_grad") + g("training_step") - g("generate_and_score")
-    lines.append(f"{'total (process start to summary)':58s} {total:9.1f}")
+    lines.append(f"{'total (process start to summary)':62s} {total:9.1f}")
     lines.append(f"model floor (generation + trainer scoring + loss fwd/bwd): {floor:.1f} s = "
                  f"{100 * floor / total:.1f}% of the run, overhead {100 - 100 * floor / total:.1f}%; {steps} steps, "
                  f"{g('train') / max(steps, 1):.2f} s/step in the loop")

@@ -28,8 +28,8 @@ def test_bench_table_partitions_the_run():
                "trainer_logprobs_no_grad": 3, "evaluate": 1}
     summary = {"wall_s": 95.0, "steps": 10, "timings": {k: {"seconds": v, "calls": 1} for k, v in timings.items()}}
     text = bench.table(summary)
-    rows = {line[:58].strip(): float(line[58:68]) for line in text.splitlines()[1:-2]}
+    rows = {line[:62].strip(): float(line[62:72]) for line in text.splitlines()[1:-2]}
     top = {k: v for k, v in rows.items() if not k.startswith("of which")}
     assert sum(top.values()) == pytest.approx(105.0)  # process start + wall time, nothing counted twice
-    assert rows["loss forward + backward"] == 15 and rows["scoring: rewards, old logprobs, mismatch metrics"] == 6
+    assert rows["loss forward + backward"] == 15 and rows["scoring: rewards, old logprobs, mismatch metrics, evaluation"] == 6
     assert "model floor (generation + trainer scoring + loss fwd/bwd): 38.0 s" in text
