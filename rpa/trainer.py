@@ -282,7 +282,7 @@ class TrainerAlignment:
             if not getattr(embeddings, "_rpa_patched", False):
                 self.patch(embeddings, _embedding_forward_cast, _rpa_compute_dtype=self.compute_dtype)
         forward = self._head_forward()
-        if forward is not None and not getattr(head, "_rpa_patched", False):
+        if head is not None and forward is not None and not getattr(head, "_rpa_patched", False):
             self.patch(head, forward, _rpa_compute_dtype=self.compute_dtype)
 
     def remove(self) -> None:
@@ -332,11 +332,21 @@ def check_supported(model: nn.Module) -> types.ModuleType:
     config = getattr(model, "config", None)
     check_config(config)
     modeling = importlib.import_module(SUPPORTED_ARCHS[config.model_type])
-    prefix = "Qwen2" if config.model_type == "qwen2" else "Qwen3"
-    if not isinstance(getattr(model, "model", None), getattr(modeling, f"{prefix}Model")):
-        raise UnsupportedModelError(f"expected a {prefix}ForCausalLM-style model with .model a {prefix}Model; "
-                                    f"got {type(model).__name__}")
+    decoder_of(model, modeling)  # raises for a model without exactly one decoder
     return modeling
+
+
+def decoder_of(model: nn.Module, modeling: types.ModuleType) -> nn.Module:
+    """The model's Qwen2Model/Qwen3Model: the model itself (the base class) or its one decoder
+    child (``.model`` of the causal LM and classification heads, ``.transformer`` of QA)."""
+    base = getattr(modeling, "Qwen2Model" if model.config.model_type == "qwen2" else "Qwen3Model")
+    if isinstance(model, base):
+        return model
+    found = [m for m in model.children() if isinstance(m, base)]
+    if len(found) != 1:
+        raise UnsupportedModelError(f"expected a {base.__name__} or a model with one {base.__name__} inside; "
+                                    f"got {type(model).__name__}")
+    return found[0]
 
 
 def rope_table(config) -> Tensor:
@@ -371,7 +381,10 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     prefix = "Qwen2" if model.config.model_type == "qwen2" else "Qwen3"
     norm_cls, mlp_cls = getattr(modeling, f"{prefix}RMSNorm"), getattr(modeling, f"{prefix}MLP")
     cast = compute_dtype is not None  # a no-op for parameters already at the compute dtype
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # None for the base model and the classification / QA heads
+    if lm_head_fp32 and head is None:
+        raise UnsupportedModelError(f"lm_head_fp32: {type(model).__name__} has no LM head")
+    decoder = decoder_of(model, modeling)
 
     try:
         for module in model.modules():
@@ -389,13 +402,13 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
             elif cast and type(module) is nn.Embedding:
                 handle.patch(module, _embedding_forward_cast, _rpa_compute_dtype=compute_dtype)
         if "rope" in regions:
-            rotary = model.model.rotary_emb
+            rotary = decoder.rotary_emb
             table = rope_table(model.config).to(rotary.inv_freq.device)
             rotary.register_buffer(ROPE_TABLE_BUFFER, table.view(torch.int32), persistent=False)
             handle.patch(rotary, _rotary_forward)
             _install_rope_dispatch()
         if positions_from_mask:
-            handle.hooks.append(model.model.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True))
+            handle.hooks.append(decoder.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True))
         model.__dict__["_rpa_alignment"] = handle
         handle.refresh()
         handle.hooks.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))

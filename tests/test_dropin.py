@@ -132,3 +132,36 @@ def test_position_past_the_table_is_refused(tiny_dirs):
     too_far = torch.tensor([[model.config.max_position_embeddings]])
     with pytest.raises(RuntimeError, match="past max_position_embeddings"), torch.no_grad():
         model(torch.tensor([[5]]), position_ids=too_far)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("cls_name", ["Model", "ForSequenceClassification", "ForTokenClassification",
+                                      "ForQuestionAnswering"])
+def test_every_qwen_class_aligns(tiny_dirs, arch, cls_name):
+    """Base models and the classification / QA heads have no LM head (get_output_embeddings() is
+    None): they align too, and with ``all`` FP32 masters in BF16 compute give their BF16 copy's
+    outputs bit for bit."""
+    import transformers
+    from transformers import AutoConfig
+
+    from rpa.trainer import UnsupportedModelError, align_model
+
+    config = AutoConfig.from_pretrained(tiny_dirs[arch])
+    config.num_labels, config.pad_token_id = 3, 0
+    cls = getattr(transformers, f"{'Qwen2' if arch == 'qwen2' else 'Qwen3'}{cls_name}")
+    torch.manual_seed(0)
+    master = cls(config).float().eval()
+    copy = cls(config).to(torch.bfloat16).eval()
+    copy.load_state_dict({k: v.to(torch.bfloat16) for k, v in master.state_dict().items()})
+    ids = torch.randint(3, 500, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    outs = []
+    for model in (master, copy):
+        with align_model(model, "all"), torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask)
+        outs.append(next(v for v in (getattr(out, k, None) for k in ("logits", "start_logits", "last_hidden_state"))
+                         if v is not None))
+    assert torch.equal(outs[0].to(torch.bfloat16), outs[1].to(torch.bfloat16))
+    with pytest.raises(UnsupportedModelError, match="has no LM head"):
+        align_model(master, "all", lm_head_fp32=True)
