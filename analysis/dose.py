@@ -508,7 +508,7 @@ def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, th: pd.DataFrame, anch
               f"collapse. The earliest collapse (or unconfirmed drop) step in these runs is "
               f"{first if first is not None else 'none'}"
               + ("" if first is None or k is None or k < first else
-                 f" -- **warning: the window reaches it, so some doses include post-collapse steps**")
+                 " -- **warning: the window reaches it, so some doses include post-collapse steps**")
               + ". `pre_drop` = mean over the steps before the run's collapse or unconfirmed drop (all steps "
                 "otherwise); `all steps` = mean over the whole run (as the tables reported before).")
     return ("## Dose-response (positive control)\n\nSampler-only perturbation (`perturb-mantissa<K>`: the "

@@ -27,12 +27,12 @@ in-process. Each sequence is one request (one prefill, no batching across sequen
 from __future__ import annotations
 
 import csv
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from rpa.jsonfiles import write_json
 from rpa.numerics_config import NumericsConfig
 
 SCHEMA = "rpa.diagnose/1"
@@ -178,7 +178,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         "provenance": started,
         "wall_s": round(time.time() - t0, 2),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)  # atomic
     with open(out / "layers.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(LAYER_COLUMNS))
         writer.writeheader()

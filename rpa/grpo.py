@@ -34,13 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rpa.jsonfiles import append_jsonl, write_json
 from rpa.rundir import (
     RunDirectoryBusy,
+    config_diff,
     finished_summary,
     latest_checkpoint,
     lock_run_dir,
     read_metrics,
-    same_config,
     truncate_metrics,
     wait_for,
 )
@@ -358,8 +359,7 @@ def _make_trainer_class():
                       "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i, prompt=r["prompt"])
                                                       for t, r, i in zip(texts, rows, ids)])),
                       "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
-            with open(self.rpa_eval_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(self.rpa_eval_path, record)
             self.rpa_last_eval_step = step
             return record
 
@@ -465,8 +465,7 @@ def _metrics_callback(path: Path, constants: dict[str, Any]):
                 return
             record = {"step": state.global_step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
                                                      for k, v in logs.items()}, **constants}
-            with open(path, "a") as f:
-                f.write(json.dumps(record, allow_nan=True) + "\n")
+            append_jsonl(path, record, allow_nan=True)
 
     return MetricsLog()
 
@@ -564,8 +563,11 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if not main:
         _log(f"joining the run in {out} (rank 0 owns its files)")
     cfg_path = out / "config.json"
-    if cfg_path.exists() and not same_config(json.loads(cfg_path.read_text()), cfg):
-        raise RunDirectoryBusy(f"{out} holds a run with a different config; use a new directory")
+    if cfg_path.exists():
+        differs = config_diff(json.loads(cfg_path.read_text()), cfg)
+        if differs:
+            raise RunDirectoryBusy(f"{out} holds a run with a different config ({'; '.join(differs[:5])}"
+                                   f"{'; ...' if len(differs) > 5 else ''}); use a new directory")
     done = finished_summary(out, cfg)
     if done is not None:
         _log(f"{out} already finished ({done['steps']} steps, status {done['status']}); nothing to do")
@@ -682,7 +684,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
                "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped, "provenance": started}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    write_json(out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
     if error is not None and not blew_up:
         raise error
     return summary

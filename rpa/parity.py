@@ -13,7 +13,6 @@ kernels are not aligned and keep it above zero.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rpa import ops
+from rpa.jsonfiles import write_json
 from rpa.regions import REGIONS, format_regions, parse_regions
 
 SCHEMA = "rpa.parity/1"
@@ -208,4 +208,4 @@ def _write(report: dict[str, Any], out_path: str | Path | None) -> None:
     if out_path is not None:
         path = Path(out_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(path, report)  # atomic: a report is whole or absent

@@ -29,7 +29,6 @@ per completion token, columns :data:`TOKEN_COLUMNS`) and, when sampling,
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from rpa.jsonfiles import write_json
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
 from rpa.scoring import (
@@ -183,7 +183,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                          "trainer": alignment.describe(), "vocab_size": vocab}
     summary["provenance"] = started
     summary["wall_s"] = round(time.time() - t0, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)  # atomic
     with open(out / "tokens.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
         writer.writeheader()

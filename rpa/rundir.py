@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.errors import UserError
+from rpa.jsonfiles import read_jsonl, write_text
 from rpa.train_config import TrainConfig, TrainConfigError
 
 
@@ -43,15 +44,42 @@ def lock_run_dir(out: Path):
     return handle
 
 
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _resolved(value: Any) -> Any:
+    """A local path as the file system resolves it (``/a/../a/q3`` is ``/a/q3``); anything else as is."""
+    if isinstance(value, str) and ("/" in value or value.startswith(".")):
+        path = Path(os.path.abspath(value))  # lexically normalised: x/../q3 is q3
+        return str(path.resolve()) if path.exists() else str(path)
+    return value
+
+
+def config_diff(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The keys in which a run directory's ``config.json`` differs from the run ``cfg`` (after
+    filling in the defaults of fields added since it was written, and resolving local paths):
+    ``key: recorded -> requested``."""
+    try:
+        recorded = TrainConfig.from_dict(recorded).to_dict()
+    except TrainConfigError as err:
+        return [f"the recorded config is not valid now ({err})"]
+    a, b = (_flat(json.loads(json.dumps(d))) for d in (recorded, cfg.to_dict()))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if _resolved(a.get(k)) != _resolved(b.get(k))]
+
+
 def same_config(recorded: dict[str, Any], cfg: TrainConfig) -> bool:
     """Whether a run directory's ``config.json`` is the run ``cfg``: compared after filling in
     the defaults of fields added since it was written (a new option with its old behaviour as
-    the default does not make a finished run "different")."""
-    try:
-        recorded = TrainConfig.from_dict(recorded).to_dict()
-    except TrainConfigError:
-        return False
-    return json.loads(json.dumps(recorded)) == json.loads(json.dumps(cfg.to_dict()))
+    the default does not make a finished run "different") and resolving local paths."""
+    return not config_diff(recorded, cfg)
 
 
 def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
@@ -67,10 +95,9 @@ def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     return None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` / ``eval.jsonl`` records; a line torn by a kill mid-append is dropped."""
+    return read_jsonl(path, repair=repair)
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -81,8 +108,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
-    kept = [r for r in read_metrics(path) if r["step"] <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    kept = [r for r in read_metrics(path, repair=True) if r["step"] <= last_step]
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(kept)
 
 

@@ -294,3 +294,31 @@ def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_pat
     assert proc.returncode == 0, tail(proc)
     assert (out / "init_model/config.json").exists()
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_different_config_names_the_keys_and_resolves_paths(tmp_path):
+    from rpa.rundir import config_diff
+
+    (tmp_path / "q3").mkdir()
+    cfg = TrainConfig.from_dict({"model": str(tmp_path / "q3"), **BASE})
+    recorded = {**cfg.to_dict(), "model": str(tmp_path / "x" / ".." / "q3")}
+    assert config_diff(recorded, cfg) == []  # the same directory, written another way
+    recorded["learning_rate"] = 5e-4
+    recorded["numerics"] = {**recorded["numerics"], "regions": "none"}
+    assert config_diff(recorded, cfg) == ["learning_rate: 0.0005 -> 0.001", "numerics.regions: 'none' -> 'all'"]
+
+
+def test_torn_log_lines_are_dropped_and_repaired(tmp_path):
+    from rpa.jsonfiles import append_jsonl, read_jsonl
+    from rpa.rundir import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2, 3):
+        append_jsonl(path, {"step": step, "reward": 0.5})
+    with open(path, "a") as f:
+        f.write('{"step": 4, "rew')  # a kill mid-append
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+    assert truncate_metrics(path, 2) == 2 and path.read_text().count("\n") == 2
+    path.write_text('{"step": 1}\n{oops\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_jsonl(path)  # a bad line in the middle is not a torn append: an error naming it

@@ -1,0 +1,58 @@
+"""Result files written so that a kill never leaves half of one: whole files by write + rename
+(:func:`write_json`, :func:`write_text`), JSON-lines logs appended a whole line per write
+(:func:`append_jsonl`) and read back with a torn last line (a kill mid-append) dropped and,
+when asked, cut from the file (:func:`read_jsonl`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``path`` atomically: a temporary file beside it, flushed, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any, **kwargs: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, **kwargs) + "\n")
+
+
+def append_jsonl(path: Path, record: dict[str, Any], **kwargs: Any) -> None:
+    """Append one record as one line in one write (a kill leaves it whole or torn at the end,
+    which :func:`read_jsonl` drops)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, **kwargs) + "\n")
+        f.flush()
+
+
+def read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file. A last line without its newline that does not parse
+    (an append cut short) is dropped -- and with ``repair`` cut from the file; any other bad
+    line is an error naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:  # the last line, with no newline after it: a torn append
+                if repair:
+                    write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record ({err})") from None
+    return records
