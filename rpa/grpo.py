@@ -276,7 +276,17 @@ def _make_trainer_class():
             gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
             self.check_sync = timings.wrap("sync_check", self.check_sync)
             self.rpa_evaluate = timings.wrap("evaluate", self.rpa_evaluate)
-            self.rpa_last_sync_gap = self.check_sync()  # vLLM starts from the same weights as the trainer
+            # vLLM starts from the same weights as the trainer: checked now -- unless the trainer model is not yet on
+            # vLLM's device (FSDP2 leaves it on the CPU until accelerate shards it in train()): a CPU-vs-CUDA
+            # comparison of a full model on every rank would measure the devices, not the sync; the first
+            # in-loop sync is checked like every later one
+            engine_device = "cuda" if torch.cuda.is_available() else "cpu"
+            if next(self.model.parameters()).device.type == engine_device:
+                self.rpa_last_sync_gap = self.check_sync()
+            else:
+                self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False
+                _log(f"start-up sync check deferred to the first in-loop sync: the trainer model is on "
+                     f"{next(self.model.parameters()).device.type} until accelerate places it")
             # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
             num = rpa_config.numerics
             self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
