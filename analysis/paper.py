@@ -149,14 +149,15 @@ def dose_parts(results: Path, out_dir: Path) -> str:
 
     runs = pd.read_csv(runs_path)
     per_group = groups(runs)
-    cols = ["arm", "is_correction", "old_logprobs", "runs", "collapsed", "unconfirmed", "grad_spike_runs",
+    cols = ["arm", "is_correction", "old_logprobs", "invalid", "runs", "collapsed", "unconfirmed", "grad_spike_runs",
             "mean_abs_dlogp", "phantom_clip_rate", "final_reward"]
     window = int(per_group["mismatch_steps"].dropna().iloc[0]) if per_group["mismatch_steps"].notna().any() else None
     over = f"over steps 1-{window}" if window else "over all steps"
     (out_dir / "dose_table.tex").write_text(booktabs(
         per_group[[c for c in cols if c in per_group]],
         f"Positive control per arm (mean over seeds; mean_abs_dlogp and phantom_clip_rate {over} of each run, "
-        f"before any collapse; grad_spike_runs: runs with a gradient-norm spike, an event, not a collapse)",
+        f"before any collapse; grad_spike_runs: runs with a gradient-norm spike, an event, not a collapse; "
+        f"invalid: IS with old logprobs from the sampler, which applied the correction twice)",
         "tab:dose"))
     lines = statement(thresholds(runs), anchor_positions(runs))
     return "\\begin{itemize}" + "".join(f"\\item {escape(line.removeprefix('- '))}" for line in lines) + \
