@@ -163,3 +163,25 @@ def test_an_incomplete_grid_gets_no_verdict(tmp_path):
     runs, _ = load_runs(tmp_path, manifest)
     d = decision(runs, RULE)
     assert d["outcome"] == "incomplete" and "15 of 16 runs finished" in d["statement"]
+
+
+@pytest.mark.parametrize("stage", ["pilot", "grid"])
+def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
+    """The committed pilot choice and grid decision are what analysis.collapse_search computes
+    from the committed raw runs (and an unfinished grid has no verdict)."""
+    import shutil
+
+    committed = REPO / "results/reference/collapse-cpu"
+    if not (committed / "search" / stage / "manifest.json").exists():
+        pytest.skip(f"no committed {stage} results")
+    shutil.copytree(committed / "search", tmp_path / "search")
+    assert main(["--results", str(tmp_path), "--stage", stage, "--figure", str(tmp_path / "f.png")]) == 0
+    got = json.loads((tmp_path / f"tables/search_{stage}.json").read_text())
+    want = json.loads((committed / f"tables/search_{stage}.json").read_text())
+    if stage == "pilot":
+        assert got["chosen"] == want["chosen"] and got["eligible"] == want["eligible"]
+    else:
+        assert got["decision"] == want["decision"]
+        manifest = json.loads((committed / "search/grid/manifest.json").read_text())
+        finished = sum((committed / "search" / c["cell"] / "summary.json").exists() for c in manifest["cells"])
+        assert (got["decision"]["outcome"] == "incomplete") == (finished < len(manifest["cells"]))
