@@ -37,7 +37,7 @@ FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatc
 
 def copy_run(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "summary.json", "eval.jsonl"):
+    for name in ("run.yaml", "config.json", "summary.json", "eval.jsonl"):  # run.yaml: what Snakemake wrote
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
     if (src / "metrics.jsonl").exists():
