@@ -71,7 +71,14 @@ SEARCH_INITS = {p["init"]["name"]: p for p in SEARCH.values() if p["init"]}
 
 
 def search_train_input(wildcards):
+    """The cell's starting checkpoint -- none for a finished run (it has its summary): a warm
+    start that is missing or rebuilt (deterministic: the same checkpoint) does not make finished
+    runs stale, so a grid goes on from committed runs copied into place."""
+    from pathlib import Path
+
     point = SEARCH[wildcards.cell]
+    if Path(f"{R}/search/{wildcards.cell}/summary.json").exists():
+        return []
     if point["init"]:
         return [f"{R}/search/init/{point['init']['name']}/config.json"]
     return model_files(point["model"])

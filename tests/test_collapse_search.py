@@ -185,3 +185,23 @@ def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
         manifest = json.loads((committed / "search/grid/manifest.json").read_text())
         finished = sum((committed / "search" / c["cell"] / "summary.json").exists() for c in manifest["cells"])
         assert (got["decision"]["outcome"] == "incomplete") == (finished < len(manifest["cells"]))
+
+
+def test_the_grid_goes_on_from_committed_runs(tmp_path):
+    """Committed finished runs copied into place are not run again, even though their shared
+    warm starts are missing (a finished run needs none)."""
+    import shutil
+
+    committed = REPO / "results/reference/collapse-cpu/search"
+    finished = list(committed.glob("grid/*/*/seed*/summary.json"))
+    if not finished:
+        pytest.skip("no committed grid runs")
+    res = tmp_path / "r"
+    shutil.copytree(committed, res / "search", copy_function=shutil.copy2)  # times kept: summary newer than run.yaml
+    proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", "experiments/collapse-cpu.yaml",
+                     "--config", f"results={res}")
+    assert proc.returncode == 0, tail(proc)
+    counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1].isdigit()}
+    grid = [p for p in search_points(CONFIG, "grid")]
+    assert counts["search_train"] == len(grid) - len(finished)
