@@ -168,9 +168,12 @@ def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path)
     assert len(rows) == 2 * len(BOUNDARIES) + 1 and rows[-1]["boundary"] == "final_norm"
     first = rows[0]
     assert (first["layer"], first["boundary"]) == (0, "attn_in") and first["frac_bitwise_equal"] == 1.0
-    # with every region aligned, equal inputs give equal norm outputs; attention is where it starts
-    assert summary["first_divergence"] == {"layer": 0, "boundary": "attn_out"}
-    assert "first divergence at layer 0 attn_out" in proc.stdout
+    # with every region aligned, equal inputs give equal norm outputs; attention is where it starts --
+    # or, on a CPU whose vLLM attention kernel matches HF's sdpa on these short sequences (seen on the
+    # 2-core machine of 2026-11-30, also at 9f3273a), nowhere: the aligned regions never diverge
+    first_divergence = summary["first_divergence"]
+    assert first_divergence in (None, {"layer": 0, "boundary": "attn_out"}), first_divergence
+    assert ("first divergence at layer 0 attn_out" if first_divergence else "bitwise equal everywhere") in proc.stdout
 
 
 def test_gpu_check_runs_end_to_end_here(tmp_path):
