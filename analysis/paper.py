@@ -224,7 +224,7 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     cols = [c for c in ("model", "temperature", "warmup", "initial_reward", "step1_entropy", "step1_mismatch",
                         "eligible", "chosen") if c in table]
     rule = pilot["rule"]
-    parts = ["\section{A natural collapse? The search on CPU}",
+    parts = ["\\section{A natural collapse? The search on CPU}",
              escape("Stock BF16 GRPO is run where mismatch is larger than in the miniature: deeper tiny models, the "
                     "walk task (six equally rewarded continuations per position, so the policy stays stochastic), "
                     "~100-token completions, PPO's old log-probabilities from the sampler, a constant learning rate "
