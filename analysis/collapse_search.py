@@ -37,13 +37,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.jsonfiles import read_jsonl  # noqa: E402
 
 MISMATCH = "mismatch/mean_abs_dlogp"
 PHANTOM = "mismatch/phantom_clip_rate"
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _first(m: pd.DataFrame, key: str):
@@ -65,7 +62,7 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
         run = results / "search" / c["cell"]
         row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": "missing"}
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-        metrics = _jsonl(run / "metrics.jsonl")
+        metrics = read_jsonl(run / "metrics.jsonl")  # a torn last line (killed run) dropped
         if summary is not None:
             row.update(state="failed" if summary.get("status") == "error" else "finished",
                        status=summary.get("status"), wall_s=summary.get("wall_s"))
