@@ -194,17 +194,43 @@ def _head_logps(head, hidden, targets, temperature: float, entropy: bool):
     return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
-def _is_wrapped(model) -> bool:
-    """A DDP wrapper or an FSDP2-sharded model: its forward (the wrapper's, or the root
-    module's unshard hooks) must run, so its decoder and head cannot be called apart."""
+def _inner_model(model):
+    """The causal LM inside a DDP wrapper (an FSDP2-sharded model is the module itself)."""
     import torch
 
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()  # noqa: N806
-    return isinstance(model, (torch.nn.parallel.DistributedDataParallel, FSDPModule)) or \
-        not hasattr(model, "get_decoder")
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class _ChunkedHead:
+    """Stands in for the LM head's forward during one scoring forward: the model's own forward
+    (with a DDP wrapper's or FSDP2's hooks around it, so gradients sync and sharded parameters
+    are gathered) hands it the hidden states of the kept positions, and it returns
+    ``(batch, kept - 1, 2)``: each position's log-probability of the next token and its entropy
+    (0 when not asked for), the head + FP32 log-softmax run ``chunk_tokens`` tokens at a time
+    and recomputed in the backward pass, so no more than one chunk of full-vocabulary logits is
+    alive. Wrapped or not, every caller scores through this one path (π_old and π agree bitwise)."""
+
+    def __init__(self, stock, targets, temperature: float, entropy: bool, chunk_tokens: int) -> None:
+        self.stock, self.targets, self.temperature = stock, targets, temperature
+        self.entropy, self.chunk_tokens = entropy, chunk_tokens
+
+    def __call__(self, hidden):
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        batch, width = hidden.size(0), hidden.size(-1)
+        hidden = hidden[:, :-1].reshape(-1, width)  # the positions predicting the kept tokens
+        picked, ents = [], []
+        for lo in range(0, self.targets.numel(), self.chunk_tokens):
+            args = (self.stock, hidden[lo:lo + self.chunk_tokens], self.targets[lo:lo + self.chunk_tokens],
+                    self.temperature, self.entropy)
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                p, e = checkpoint(_head_logps, *args, use_reentrant=False)
+            else:
+                p, e = _head_logps(*args)
+            picked.append(p)
+            ents.append(e if e is not None else torch.zeros_like(p))
+        return torch.stack([torch.cat(picked), torch.cat(ents)], dim=-1).view(batch, -1, 2)
 
 
 def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
@@ -212,52 +238,38 @@ def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: in
                             chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
     """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
 
-    Sequences go through the model in micro-batches of ``batch_size``; the model's own LM
-    head (so it runs in the configured numerics: BF16 in compute mode, FP32 with
-    ``lm_head_fp32``; TRL 1.16's fused head would multiply by the FP32 master) and the FP32
-    log-softmax run on ``chunk_tokens`` tokens at a time, each chunk recomputed in the
-    backward pass when gradients are on, so at most one chunk of full-vocabulary logits is
-    alive at a time instead of ``batch x tokens x vocabulary``. A DDP- or FSDP2-wrapped model
-    runs its whole forward once per micro-batch instead (the wrapper must see the forward;
-    the micro-batch size then bounds the logits).
+    Sequences go through the model's own forward in micro-batches of ``batch_size`` (through
+    a DDP wrapper or FSDP2's hooks where the model has them); the model's own LM head (so it
+    runs in the configured numerics: BF16 in compute mode, FP32 with ``lm_head_fp32``; TRL
+    1.16's fused head would multiply by the FP32 master) and the FP32 log-softmax run on
+    ``chunk_tokens`` tokens at a time inside that forward (:class:`_ChunkedHead`), each chunk
+    recomputed in the backward pass when gradients are on, so at most one chunk of
+    full-vocabulary logits is alive at a time instead of ``batch x tokens x vocabulary``.
     """
     import torch
-    from torch.utils.checkpoint import checkpoint
 
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     batch_size = batch_size or input_ids.size(0)
-    wrapped = _is_wrapped(model)
-    if not wrapped:
-        head, decoder = model.get_output_embeddings(), model.get_decoder()
-        alignment = getattr(model, "_rpa_alignment", None)
-        if alignment is not None:
-            alignment.refresh()  # what the model's own forward would check first
+    head = _inner_model(model).get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(_inner_model(model)).__name__} has no LM head to score tokens with")
+    own_forward = head.__dict__.get("forward")  # an alignment's patched forward lives on the instance
     logps, entropies = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
-        targets = ids[:, -logits_to_keep:].reshape(-1)
-        if wrapped:
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
-                           logits_to_keep=logits_to_keep + 1).logits[:, :-1]
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1).reshape(-1, logits.size(-1))
-            picked = [logp.gather(-1, targets[:, None])[:, 0]]
-            ents = [-(logp.exp() * logp).sum(-1) if compute_entropy else None]
+    try:
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            head.forward = _ChunkedHead(own_forward or type(head).forward.__get__(head),
+                                        ids[:, -logits_to_keep:].reshape(-1), temperature, compute_entropy,
+                                        chunk_tokens)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                        logits_to_keep=logits_to_keep + 1).logits
+            logps.append(out[..., 0])
+            if compute_entropy:
+                entropies.append(out[..., 1])
+    finally:
+        if own_forward is None:
+            head.__dict__.pop("forward", None)
         else:
-            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            width = hidden.size(-1)
-            hidden = hidden[:, -(logits_to_keep + 1):-1].reshape(-1, width)  # the positions predicting the kept tokens
-            picked, ents = [], []
-            for lo in range(0, targets.numel(), chunk_tokens):
-                args = (head, hidden[lo:lo + chunk_tokens], targets[lo:lo + chunk_tokens], temperature,
-                        compute_entropy)
-                if torch.is_grad_enabled() and hidden.requires_grad:
-                    p, e = checkpoint(_head_logps, *args, use_reentrant=False)
-                else:
-                    p, e = _head_logps(*args)
-                picked.append(p)
-                ents.append(e)
-        logps.append(torch.cat(picked).view(ids.size(0), logits_to_keep))
-        if compute_entropy:
-            entropies.append(torch.cat(ents).view(ids.size(0), logits_to_keep))
+            head.forward = own_forward
     return torch.cat(logps), torch.cat(entropies) if compute_entropy else None

@@ -1,4 +1,5 @@
-"""Beyond one process: the trainer patch under FSDP2, and ``rpa train`` on two processes.
+"""Beyond one process: the trainer patch and the scoring path under FSDP2 and DDP, and ``rpa
+train`` on two processes.
 
 On CPU (gloo). ``accelerate launch`` starts several CPU processes only through MPI, so the
 two-process run uses ``torch.distributed.run`` -- the launcher accelerate's multi-GPU configs
@@ -37,12 +38,20 @@ fully_shard(model, mesh=mesh)
 patched = lambda m: sorted(n for n, x in m.named_modules() if "forward" in x.__dict__)
 with torch.no_grad():
     same = torch.equal(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
-    a, _ = token_logps_and_entropy(model, ids, mask, 6)
-    b, _ = token_logps_and_entropy(ref, ids, mask, 6)
-loss = token_logps_and_entropy(model, ids, mask, 6)[0].sum()
+rows, head = [], model.lm_head
+stock = head.forward
+def recording(x):  # every call of the LM head: how many token rows it saw at once
+    rows.append(x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1])
+    return stock(x)
+head.forward = recording
+with torch.no_grad():
+    a, _ = token_logps_and_entropy(model, ids, mask, 6, chunk_tokens=4)
+    b, _ = token_logps_and_entropy(ref, ids, mask, 6, chunk_tokens=4)
+loss = token_logps_and_entropy(model, ids, mask, 6, chunk_tokens=4)[0].sum()
 loss.backward()
 print(json.dumps({"wrapped": type(model).__name__, "same_logits": same, "same_logps": bool(torch.equal(a, b)),
                   "patched_equal": patched(model) == patched(ref), "patched": len(patched(model)),
+                  "head_rows": rows, "restored": head.forward is recording,
                   "grads": all(p.grad is not None for p in model.parameters())}))
 """
 
@@ -59,6 +68,58 @@ def test_trainer_patch_survives_fsdp2_wrapping(tiny_dirs):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["wrapped"].startswith("FSDP") and r["patched"] > 10 and r["patched_equal"], r
     assert r["same_logits"] and r["same_logps"] and r["grads"], r
+    # scoring the sharded model runs the head in chunks inside its forward (after FSDP2 gathered
+    # the parameters): 18 kept tokens -> chunks of at most 4 rows, never the whole batch at once
+    assert r["head_rows"] and max(r["head_rows"]) <= 4 and r["restored"], r
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from rpa.scoring import token_logps_and_entropy
+from rpa.trainer import align_model
+torch.manual_seed(0)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+align_model(model, "all")  # BF16 compute from FP32 master weights, as GRPO trains
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(rank))
+mask = torch.ones_like(ids)
+mask[1, :5] = 0
+rows, stock = [], model.lm_head.forward
+def recording(x):
+    rows.append(x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1])
+    return stock(x)
+model.lm_head.forward = recording
+with torch.no_grad():  # TRL's old-policy logprobs: the unwrapped model
+    old, ent_old = token_logps_and_entropy(model, ids, mask, 7, 0.7, 2, True, chunk_tokens=5)
+new, ent_new = token_logps_and_entropy(ddp, ids, mask, 7, 0.7, 2, True, chunk_tokens=5)  # the loss: the wrapper
+new.sum().backward()
+grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+gathered = [torch.empty_like(grads) for _ in range(2)]
+dist.all_gather(gathered, grads)
+open(f"{sys.argv[2]}/rank{rank}.json", "w").write(json.dumps({"rank": rank, "same": bool(torch.equal(old, new.detach()) and torch.equal(ent_old, ent_new.detach())),
+                  "grads_synced": bool(torch.equal(gathered[0], gathered[1])), "head_rows": rows}))  # the ranks' prints would interleave
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_loss_and_old_logprobs_score_through_one_path(tiny_dirs, tmp_path):
+    """Under DDP, TRL scores π_old with the unwrapped model and the loss's π with the wrapper:
+    both go through the model's forward with the head chunked inside it, so π_old equals π
+    bitwise before the update (the PPO ratio is exactly 1), and DDP still averages gradients."""
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
+                   str(script), str(tiny_dirs["qwen3"]), str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in results) == [0, 1], tail(proc)
+    for r in results:
+        assert r["same"] and r["grads_synced"], r
+        assert r["head_rows"] and max(r["head_rows"]) <= 5, r  # 4 x 7 kept tokens, chunks of <= 5
 
 
 @pytest.mark.slow
