@@ -13,7 +13,7 @@ Verdicts are recomputed with each run's own thresholds (:func:`rpa.collapse.run_
   collapsed / runs with an exact (Clopper-Pearson) interval, unconfirmed runs, median collapse
   step, final reward, and the mismatch and phantom-clip rate *before* the collapse (the mean
   over the steps before the collapse step; all steps of a run that did not collapse).
-* **decision** (grid): at each rung (``rung_axis`` label) the stock-BF16 reference "collapses
+* **decision** (grid, and the lever stage, judged by the same rule): at each rung (``rung_axis`` label) the stock-BF16 reference "collapses
   naturally" when it collapses in at least ``min_reference_collapsed`` seeds, the control
   (FP32) in at most ``max_control_collapsed``, and, pooled over the paired (rung, seed) cells,
   the reference collapses more often than the control. Otherwise the outcome is "does not, up
@@ -159,8 +159,12 @@ def groups(runs: pd.DataFrame, axes: list[str], confidence: float) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+DECIDED_STAGES = ("grid", "lever")
+"""Stages the decision rule judges: the grid, and the further lever tried if the grid does not collapse."""
+
+
 def decision(runs: pd.DataFrame, rule: dict) -> dict:
-    """The grid's outcome under the decision rule of the config (see the module doc)."""
+    """The grid's (or the lever stage's) outcome under the decision rule of the config (see the module doc)."""
     arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
     ref, ctl = rule.get("reference_arm", "none"), rule.get("control_arm", "fp32")
     need, allow = rule.get("min_reference_collapsed", 3), rule.get("max_control_collapsed", 0)
@@ -310,14 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         axes = [a for a in manifest["axes"]]
         per_group = groups(runs, axes, (manifest.get("decision") or {}).get("confidence", 0.95))
         summary = {"groups": per_group.to_dict(orient="records")}
-        if args.stage == "grid":
+        if args.stage in DECIDED_STAGES:
             summary["decision"] = decision(runs, manifest.get("decision") or {})
         table = runs
         shown = per_group
         _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {})
         text = f"### {manifest['label']}: {args.stage}\n\n"
         if "decision" in summary:
-            text += f"**Decision** (rule fixed in the config before the grid ran): {summary['decision']['statement']}\n\n"
+            text += (f"**Decision** (rule fixed in the config before the {args.stage} ran): "
+                     f"{summary['decision']['statement']}\n\n")
         text += ("Per group: collapsed / finished runs with an exact 95% interval on the collapse rate; "
                  "mismatch and phantom-clip rate before the collapse (all steps of runs that did not collapse).\n\n")
     table.to_csv(f"{stem}.csv", index=False)

@@ -79,16 +79,16 @@ RULE = {"arm_axis": "arm", "rung_axis": "lr", "reference_arm": "none", "control_
 STABLE, FALLS = [0.6] * 12, [0.6] * 5 + [0.1] * 7
 
 
-def _grid(tmp_path, none_falls: int, fp32_falls: int):
+def _grid(tmp_path, none_falls: int, fp32_falls: int, stage: str = "grid"):
     cells = []
     for lr in ("lr1", "lr2"):
         for arm, falls in (("none", none_falls if lr == "lr2" else 0), ("fp32", fp32_falls if lr == "lr2" else 0)):
             for seed in range(4):
-                cell = f"grid/{lr}/{arm}/seed{seed}"
+                cell = f"{stage}/{lr}/{arm}/seed{seed}"
                 rewards = FALLS if seed < falls else STABLE
                 _write_run(tmp_path, cell, rewards, [0.01 * (i + 1) for i in range(12)])
                 cells.append({"cell": cell, "labels": {"lr": lr, "arm": arm}, "seed": seed, "model": "m"})
-    return _manifest(tmp_path, "grid", {"lr": ["lr1", "lr2"], "arm": ["none", "fp32"]}, cells, decision=RULE)
+    return _manifest(tmp_path, stage, {"lr": ["lr1", "lr2"], "arm": ["none", "fp32"]}, cells, decision=RULE)
 
 
 def test_decision_rule_collapses_naturally_only_with_the_control_stable(tmp_path):
@@ -115,6 +115,16 @@ def test_no_collapse_reports_the_envelope_and_an_upper_bound(tmp_path):
     assert d["reference_collapse_rate_interval"][1] == pytest.approx(1 - 0.025 ** (1 / 8), abs=1e-6)
     assert d["max_mismatch"] == pytest.approx(0.12) and "up to a pre-collapse mismatch of 0.12" in d["statement"]
     assert (tmp_path / "f.png").stat().st_size > 0 and manifest["cells"]
+
+
+def test_the_lever_stage_is_judged_by_the_grids_rule_and_shares_its_warm_starts(tmp_path):
+    _grid(tmp_path, none_falls=3, fp32_falls=0, stage="lever")
+    assert main(["--results", str(tmp_path), "--stage", "lever", "--figure", str(tmp_path / "f.png")]) == 0
+    assert json.loads((tmp_path / "tables/search_lever.json").read_text())["decision"]["outcome"] == "collapses naturally"
+    assert "before the lever ran" in (tmp_path / "tables/search_lever.md").read_text()
+    lever, grid = search_points(CONFIG, "lever"), search_points(CONFIG, "grid")
+    assert {p["init"]["name"] for p in lever} == {p["init"]["name"] for p in grid}
+    assert all(p["config"]["updates_per_generation"] == 4 for p in lever)
 
 
 def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
