@@ -125,7 +125,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     import torch
     from vllm import SamplingParams
 
-    from rpa.engine import make_llm
+    from rpa.engine import close_llm, make_llm, release_memory
     from rpa.provenance import provenance
 
     out = Path(out_dir)
@@ -142,6 +142,9 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         # the prefill of this sequence is the call that saw all of its tokens
         vllm_runs.append({k: next((t for t in v if t.shape[0] == len(ids)), None) for k, v in store.items()})
     llm.collective_rpc(_worker_remove)
+    close_llm(llm)  # the captures are CPU copies: give the engine's memory back before the trainer model loads
+    del llm
+    release_memory()
 
     hf, alignment = numerics.load_trainer_model(model)
     hf_runs = []
