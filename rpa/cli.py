@@ -51,13 +51,18 @@ def _numerics(args: argparse.Namespace):
                                      "aligned_sides": args.aligned_sides})
 
 
-def _cmd_probe(args: argparse.Namespace) -> int:
-    from rpa.probe import ProbeOptions, run_probe
+def _probe_options(args: argparse.Namespace):
+    from rpa.probe import ProbeOptions
 
-    options = ProbeOptions(prompts=args.prompts, samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
-                           compiled=args.compiled, full_kl_max_vocab=args.full_kl_max_vocab,
-                           ratio_band=tuple(args.ratio_band))
-    s = run_probe(args.model, _numerics(args), args.out, options, completions_path=args.completions)
+    return ProbeOptions(prompts=args.prompts, samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
+                        compiled=args.compiled, full_kl_max_vocab=args.full_kl_max_vocab,
+                        ratio_band=tuple(args.ratio_band))
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from rpa.probe import run_probe
+
+    s = run_probe(args.model, _numerics(args), args.out, _probe_options(args), completions_path=args.completions)
     bv = s["trainer_batch_variance"]["batch_vs_single"]
     full = "n/a" if s["full_kl"] is None else f"{s['full_kl']:.3g}"
     print(f"rpa probe: {s['config']['numerics']}: tokens={s['tokens']} mean|dlogp|={s['mean_abs_dlogp']:.4g} "
@@ -94,11 +99,19 @@ def _add_device_arg(parser: argparse.ArgumentParser) -> None:
                              "both sides must be on one device type")
 
 
-def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from rpa.diagnose import format_table, read_layers, run_diagnose, sequences_from
+def _sequences(args: argparse.Namespace) -> list[list[int]]:
+    """Diagnose's token sequences (read once: the input check and the command share them)."""
+    if getattr(args, "_sequences", None) is None:
+        from rpa.diagnose import sequences_from
 
-    seqs = sequences_from(args.completions, args.model, args.sequences, args.seed)
-    s = run_diagnose(args.model, _numerics(args), args.out, seqs, seed=args.seed)
+        args._sequences = sequences_from(args.completions, args.model, args.sequences, args.seed)
+    return args._sequences
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from rpa.diagnose import format_table, read_layers, run_diagnose
+
+    s = run_diagnose(args.model, _numerics(args), args.out, _sequences(args), seed=args.seed)
     print(format_table(read_layers(f"{args.out}/layers.csv")))
     first = s["first_divergence"]
     where = "none (bitwise equal everywhere)" if first is None else f"layer {first['layer']} {first['boundary']}"
@@ -107,18 +120,10 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rpa.train_config import TrainConfig, TrainConfigError
-
-    from rpa.inputs import check_model
-
-    try:
-        cfg = TrainConfig.from_yaml(args.config)
-    except TrainConfigError as err:
-        print(f"rpa train: config error: {err}", file=sys.stderr)
-        return 2
-    check_model(cfg.model)
     from rpa.grpo import run_train
+    from rpa.train_config import TrainConfig
 
+    cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
     s = run_train(cfg, args.out)
     if "rank" in s:  # another process of a multi-process run: rank 0 reports
         return 0
@@ -129,13 +134,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_warm_start(args: argparse.Namespace) -> int:
-    from rpa.inputs import check_model
+    from rpa.grpo import run_warm_start
     from rpa.train_config import TrainConfig
 
-    cfg = TrainConfig.from_yaml(args.config)
-    check_model(cfg.model)
-    from rpa.grpo import run_warm_start
-
+    cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
     info = run_warm_start(cfg, args.out)
     losses = info.get("warm_start_losses") or [float("nan")]
     print(f"rpa warm-start: {len(info.get('warm_start_losses', []))} supervised steps, final loss {losses[-1]:.3g} "
@@ -211,23 +213,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
-    """Everything that can be checked before a model or an engine loads."""
-    from rpa.inputs import check_model
+    """Everything that can be checked before a model or an engine loads or an output is made:
+    option ranges, the model checkpoint (config, architecture, whole weights, tokenizer), input
+    files (and their token ids against the model's vocabulary), the output path, and a run
+    config with its context length against the model's. Each failure is one line, exit 2."""
+    from rpa.errors import InputError
+    from rpa.inputs import check_model, check_output, check_token_ids
+
+    if args.command == "tiny":
+        from rpa.tiny import TinySpec
+
+        TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec)}).validate()
+        check_output(args.out, "dir")
+        return
+    if args.command in ("train", "warm-start"):
+        from rpa.train_config import TrainConfig
+
+        cfg = TrainConfig.from_yaml(args.config)
+        config = check_model(cfg.model)
+        context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
+        limit = getattr(config, "max_position_embeddings", None)
+        if args.command == "train" and limit and context > limit:
+            raise InputError(f"{args.config}: max_prompt_length + max_completion_length + vllm_context_slack = "
+                             f"{context} exceeds the model's max_position_embeddings ({limit})")
+        check_output(args.out, "dir", inputs=(cfg.model, args.config))
+        return
     from rpa.numerics_config import NumericsConfig
 
-    if args.command in ("parity", "probe", "diagnose"):
-        numerics = (NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
-                    if args.command == "parity" else _numerics(args))
-        if args.command == "parity" and not numerics.regions:
-            from rpa.errors import InputError
+    numerics = (NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
+                if args.command == "parity" else _numerics(args))
+    if args.command == "parity" and not numerics.regions:
+        raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
+    if args.command == "probe":
+        _probe_options(args)  # ranges of the probe's options
+    if args.command == "diagnose" and args.sequences < 1:
+        raise InputError(f"--sequences must be >= 1, got {args.sequences}")
+    numerics.check_device()
+    config = check_model(args.model)
+    completions = getattr(args, "completions", None)
+    if completions:
+        from rpa.scoring import load_completions
 
-            raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
-        numerics.check_device()
-        check_model(args.model)
-        if getattr(args, "completions", None):
-            from rpa.scoring import load_completions
+        check_token_ids(load_completions(completions), int(config.vocab_size), completions)
+    check_output(args.out, "file" if args.command == "parity" else "dir",
+                 inputs=tuple(x for x in (args.model, completions) if x))
+    from rpa.outdir import check_options
 
-            load_completions(args.completions)
+    if args.command == "probe":
+        from rpa.probe import recorded_options
+
+        check_options(args.out, "probe", recorded_options(args.model, numerics, _probe_options(args), completions))
+    elif args.command == "diagnose":
+        from rpa.diagnose import recorded_options
+
+        check_options(args.out, "diagnose", recorded_options(args.model, numerics, _sequences(args), args.seed))
 
 
 def main(argv: list[str] | None = None) -> int:

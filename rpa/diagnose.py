@@ -27,6 +27,7 @@ in-process. Each sequence is one request (one prefill, no batching across sequen
 from __future__ import annotations
 
 import csv
+import json
 import sys
 import time
 from pathlib import Path
@@ -119,17 +120,26 @@ def compare(a, b) -> dict[str, float]:
             "frac_bitwise_equal": equal.double().mean().item() if torch.is_tensor(equal) else float(equal)}
 
 
+def recorded_options(model: str, numerics: NumericsConfig, sequences: list[list[int]], seed: int) -> dict[str, Any]:
+    """What a diagnose output directory records (``options.json``): a rerun with others is refused."""
+    import hashlib
+
+    digest = hashlib.sha1(json.dumps(sequences).encode()).hexdigest()[:12]
+    return {"model": str(model), "numerics": numerics.to_dict(), "seed": seed, "sequences": len(sequences),
+            "sequences_sha1": digest}
+
+
 def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequences: list[list[int]],
                  seed: int = 0) -> dict[str, Any]:
-    """Per-layer divergence over ``sequences`` (token ids); writes ``layers.csv`` + ``summary.json``."""
+    """Per-layer divergence over ``sequences`` (token ids); writes ``options.json``, ``layers.csv`` + ``summary.json``."""
     import torch
     from vllm import SamplingParams
 
     from rpa.engine import close_llm, make_llm, release_memory
+    from rpa.outdir import claim
     from rpa.provenance import provenance
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed))
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
     print(f"[rpa diagnose] {model}: {numerics.to_dict()}, {len(sequences)} sequences", file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rpa.errors import UserError
+from rpa.fieldtypes import FieldTypeError, typed
 from rpa.regions import RegionError, format_regions, parse_regions
 
 PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -106,6 +107,13 @@ class NumericsConfig:
         unknown = sorted(set(data) - set(KEYS))
         if unknown:
             raise NumericsConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(KEYS)}")
+        if not isinstance(data.get("regions"), (str, type(None))):
+            raise NumericsConfigError(f"regions: must be a string ('none', 'all' or a comma-separated subset of "
+                                      f"rope,swiglu,rmsnorm), got {data['regions']!r} ({type(data['regions']).__name__})")
+        try:
+            data.update(typed(cls, {k: v for k, v in data.items() if k not in ("regions", "sampler_perturbation")}))
+        except FieldTypeError as err:
+            raise NumericsConfigError(str(err)) from None
         try:
             regions = parse_regions(data.pop("regions", None))
         except RegionError as err:

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from rpa.errors import InputError
 from rpa.jsonfiles import write_json
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
@@ -74,10 +75,10 @@ class ProbeOptions:
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
         lo, hi = self.ratio_band
         if not 0 < lo < 1 < hi:
-            raise ValueError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {self.ratio_band}")
+            raise InputError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {tuple(self.ratio_band)}")
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -104,16 +105,23 @@ def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:
 # ------------------------------------------------------------------------ driver
 
 
+def recorded_options(model: str, numerics: NumericsConfig, options: ProbeOptions,
+                     completions_path: str | Path | None) -> dict[str, Any]:
+    """What a probe's output directory records (``options.json``): a rerun with others is refused."""
+    return {"model": str(model), "numerics": numerics.to_dict(), **asdict(options),
+            "completions": None if completions_path is None else str(completions_path)}
+
+
 def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options: ProbeOptions = ProbeOptions(),
               completions_path: str | Path | None = None) -> dict[str, Any]:
-    """Run the probe; writes ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
+    """Run the probe; writes ``options.json``, ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from rpa.engine import close_llm, make_llm, release_memory
+    from rpa.outdir import claim
     from rpa.provenance import provenance
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path))
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
     hf_config = AutoConfig.from_pretrained(model)

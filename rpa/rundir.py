@@ -15,6 +15,7 @@ from typing import Any
 
 from rpa.errors import UserError
 from rpa.jsonfiles import read_jsonl, write_text
+from rpa.outdir import differing_keys
 from rpa.train_config import TrainConfig, TrainConfigError
 
 
@@ -44,24 +45,6 @@ def lock_run_dir(out: Path):
     return handle
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _resolved(value: Any) -> Any:
-    """A local path as the file system resolves it (``/a/../a/q3`` is ``/a/q3``); anything else as is."""
-    if isinstance(value, str) and ("/" in value or value.startswith(".")):
-        path = Path(os.path.abspath(value))  # lexically normalised: x/../q3 is q3
-        return str(path.resolve()) if path.exists() else str(path)
-    return value
-
-
 def config_diff(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """The keys in which a run directory's ``config.json`` differs from the run ``cfg`` (after
     filling in the defaults of fields added since it was written, and resolving local paths):
@@ -70,9 +53,7 @@ def config_diff(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
         recorded = TrainConfig.from_dict(recorded).to_dict()
     except TrainConfigError as err:
         return [f"the recorded config is not valid now ({err})"]
-    a, b = (_flat(json.loads(json.dumps(d))) for d in (recorded, cfg.to_dict()))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if _resolved(a.get(k)) != _resolved(b.get(k))]
+    return differing_keys(recorded, cfg.to_dict())
 
 
 def same_config(recorded: dict[str, Any], cfg: TrainConfig) -> bool:

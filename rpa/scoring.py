@@ -80,7 +80,7 @@ def load_completions(path: str | Path) -> list[dict[str, Any]]:
                 raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
                                        f"(records need seq, prompt_ids, completion_ids)")
             if not (c["prompt_ids"] and c["completion_ids"]) or not all(
-                    isinstance(t, int) for t in c["prompt_ids"] + c["completion_ids"]):
+                    isinstance(t, int) and not isinstance(t, bool) for t in c["prompt_ids"] + c["completion_ids"]):
                 raise CompletionsError(f"{path}:{n}: prompt_ids and completion_ids must be non-empty lists of "
                                        f"token ids")
             out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})

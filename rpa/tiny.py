@@ -13,6 +13,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rpa.errors import InputError
+
 ARCHS = ("qwen2", "qwen3")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -50,18 +52,27 @@ class TinySpec:
     seed: int = 0
 
     def validate(self) -> None:
+        """Refuse (:class:`~rpa.errors.InputError`, a ``ValueError``) a spec that would not build,
+        or build a model vLLM cannot run, before anything is written."""
         if self.arch not in ARCHS:
-            raise ValueError(f"unsupported tiny arch {self.arch!r}; supported: {', '.join(ARCHS)}")
+            raise InputError(f"unsupported tiny arch {self.arch!r}; supported: {', '.join(ARCHS)}")
+        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        bad = [f"{name} {getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
+        if bad:
+            raise InputError(f"sizes must be >= 1: {', '.join(bad)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise InputError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
         if self.arch == "qwen2" and self.hidden_size != self.num_attention_heads * self.head_dim:
-            raise ValueError("qwen2 needs hidden_size == num_attention_heads * head_dim")
+            raise InputError("qwen2 needs hidden_size == num_attention_heads * head_dim")
         if self.head_dim % 32:
-            raise ValueError("head_dim must be a multiple of 32 (vLLM CPU attention)")
-        if not self.initializer_range > 0:
-            raise ValueError("initializer_range must be > 0")
+            raise InputError(f"head_dim must be a multiple of 32 (vLLM CPU attention), got {self.head_dim}")
+        if not self.initializer_range > 0 or not self.rope_theta > 0:
+            raise InputError("initializer_range and rope_theta must be > 0")
         if self.vocab_size < 300:
-            raise ValueError("vocab_size must be at least 300 (256 byte symbols + merges + specials)")
+            raise InputError(f"vocab_size must be at least 300 (256 byte symbols + merges + specials), "
+                             f"got {self.vocab_size}")
 
 
 def synthetic_corpus(seed: int, n_lines: int = 4000) -> list[str]:

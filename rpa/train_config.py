@@ -13,6 +13,7 @@ from typing import Any
 
 from rpa.collapse import CollapseThresholds
 from rpa.errors import UserError
+from rpa.fieldtypes import FieldTypeError, typed
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.tasks import SYNTHETIC, TaskError, TaskSpec
 
@@ -42,6 +43,11 @@ class WarmStart:
     learning_rate: float = 1e-3
     batch_size: int = 16
 
+    def __post_init__(self) -> None:
+        if self.steps < 0 or not self.learning_rate > 0 or self.batch_size < 1:
+            raise ValueError(f"steps must be >= 0, learning_rate > 0 and batch_size >= 1; got steps {self.steps}, "
+                             f"learning_rate {self.learning_rate}, batch_size {self.batch_size}")
+
 
 @dataclass(frozen=True)
 class SyncCheck:
@@ -53,6 +59,12 @@ class SyncCheck:
     tolerance: float = 0.05
     abort_gap: float = 5.0
     probe_tokens: int = 32
+    """Tokens of the fixed probe sequence (its first is the prompt: at least 2)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tolerance < self.abort_gap or self.probe_tokens < 2:
+            raise ValueError(f"0 < tolerance < abort_gap and probe_tokens >= 2 are required; got tolerance "
+                             f"{self.tolerance}, abort_gap {self.abort_gap}, probe_tokens {self.probe_tokens}")
 
 
 @dataclass(frozen=True)
@@ -222,8 +234,10 @@ class TrainConfig:
                 data["numerics"] = NumericsConfig.from_dict(data["numerics"])
             except NumericsConfigError as err:
                 raise TrainConfigError(f"numerics: {err}") from None
-        if "report_to" in data:
-            data["report_to"] = tuple(data["report_to"] or ())
+        try:
+            data = typed(cls, data)
+        except FieldTypeError as err:
+            raise TrainConfigError(str(err)) from None
         try:
             return cls(**data)
         except TypeError as err:
@@ -261,6 +275,8 @@ def _build(kind, value: Any, key: str):
     if unknown:
         raise TrainConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
     try:
-        return kind(**value)
+        return kind(**typed(kind, value, prefix=f"{key}."))
+    except FieldTypeError as err:
+        raise TrainConfigError(str(err)) from None
     except (TaskError, ValueError, TypeError) as err:
         raise TrainConfigError(f"{key}: {err}") from None

@@ -24,5 +24,6 @@ rule diagnose:
         runtime=30,
         gpu=GPU,
     shell:
-        "{params.launch}rpa diagnose --model {params.model} {params.numerics} --sequences {params.sequences} "
+        # Snakemake decided this cell runs again: the options recorded by its last run give way
+        "rm -f {params.out}/options.json && {params.launch}rpa diagnose --model {params.model} {params.numerics} --sequences {params.sequences} "
         "--completions {input.completions} --out {params.out} > {log} 2>&1"

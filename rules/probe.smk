@@ -40,7 +40,8 @@ rule probe:
         runtime=60,
         gpu=GPU,
     shell:
-        "{params.launch}rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
+        # Snakemake decided this cell runs again: the options recorded by its last run give way
+        "rm -f {params.out}/options.json && {params.launch}rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
         "--out {params.out} > {log} 2>&1"
 
 

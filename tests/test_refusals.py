@@ -1,0 +1,202 @@
+"""The bad-input battery: one case (or more) per kind of mistake, each refused in one line with
+exit 2 before any model or engine loads, and nothing created (no output directory, no
+``.lock``, no ``*.tmp``). In-process (``rpa.cli.main``): every refusal here happens before
+anything heavy is imported, which is what the battery checks; ``tests/test_inputs.py`` runs the
+CLI as a subprocess for the cases that need a fresh process.
+
+Kinds: options checked only where they are used; checkpoints; input files; output paths;
+run-file types and ranges; a rerun into a measuring command's directory with other options.
+"""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from rpa.cli import main
+from rpa.train_config import TrainConfig
+
+
+def refused(capsys, argv, needle, absent=None):
+    """``rpa argv`` exits 2 with one ``rpa ...`` line on stderr containing ``needle`` and
+    creates nothing at ``absent``."""
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"rpa {argv[0]}: error: ") and needle in lines[0], err
+    if absent is not None:
+        assert not absent.exists(), f"{absent} was created"
+    return lines[0]
+
+
+@pytest.fixture
+def model(tiny_dirs, tmp_path):
+    """A private copy of the tiny Qwen3 checkpoint, free to damage."""
+    return shutil.copytree(tiny_dirs["qwen3"], tmp_path / "model")
+
+
+def probe(model, out, *extra):
+    return ["probe", "--model", model, "--regions", "all", "--out", out, *extra]
+
+
+# ---------------------------------------------------------------- options checked up front
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--prompts", "0"], "prompts must be >= 1, got 0"),
+    (["--prompts", "-3"], "prompts must be >= 1, got -3"),
+    (["--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["--samples", "-1"], "samples must be >= 1"),
+    (["--ratio-band", "1.25", "0.8"], "ratio_band must satisfy 0 < lo < 1 < hi"),
+])
+def test_probe_options(capsys, model, tmp_path, extra, needle):
+    refused(capsys, probe(model, tmp_path / "out", *extra), needle, absent=tmp_path / "out")
+
+
+def test_diagnose_sequences(capsys, model, tmp_path):
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--sequences", "0", "--out", tmp_path / "o"],
+            "--sequences must be >= 1", absent=tmp_path / "o")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--head-dim", "48"], "head_dim must be a multiple of 32"),
+    (["--num-key-value-heads", "3"], "must be a multiple of num_key_value_heads (3)"),
+    (["--vocab-size", "100"], "vocab_size must be at least 300"),
+    (["--hidden-size", "-128"], "sizes must be >= 1: hidden_size -128"),
+    (["--num-hidden-layers", "0"], "sizes must be >= 1: num_hidden_layers 0"),
+])
+def test_tiny_specs(capsys, tmp_path, extra, needle):
+    refused(capsys, ["tiny", "--out", tmp_path / "t", *extra], needle, absent=tmp_path / "t")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def test_checkpoint_without_weights(capsys, model, tmp_path):
+    (model / "model.safetensors").unlink()
+    refused(capsys, probe(model, tmp_path / "o"), "no weights", absent=tmp_path / "o")
+
+
+def test_truncated_weights(capsys, model, tmp_path):
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    refused(capsys, probe(model, tmp_path / "o"), "model.safetensors", absent=tmp_path / "o")
+    weights.write_bytes(data[:4])  # not even a header
+    refused(capsys, probe(model, tmp_path / "o"), "unreadable safetensors header", absent=tmp_path / "o")
+
+
+def test_checkpoint_without_tokenizer(capsys, model, tmp_path):
+    (model / "tokenizer.json").unlink()
+    refused(capsys, probe(model, tmp_path / "o"), "no tokenizer", absent=tmp_path / "o")
+
+
+# ---------------------------------------------------------------- input files
+
+@pytest.mark.parametrize("ids,needle", [
+    ([5, 600], "token id 600 outside the model's vocabulary (0..511)"),
+    ([5, -1], "token id -1 outside"),
+    ([5, True], "must be non-empty lists of token ids"),  # JSON true is not token 1
+])
+def test_completion_token_ids(capsys, model, tmp_path, ids, needle):
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4], "completion_ids": ids}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions), needle, absent=tmp_path / "o")
+
+
+# ---------------------------------------------------------------- output paths
+
+def test_out_is_a_file(capsys, model, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    refused(capsys, probe(model, f), "is a file, not a directory")
+    refused(capsys, ["tiny", "--out", f], "is a file, not a directory")
+    refused(capsys, probe(model, f / "sub"), "is a file, so nothing can be written under it")
+
+
+def test_parity_report_path(capsys, model, tmp_path):
+    """An existing directory as the report path used to run the whole check, then crash."""
+    refused(capsys, ["parity", "--model", model, "--regions", "all", "--out", tmp_path], "is a directory")
+    f = tmp_path / "file"
+    f.write_text("x")
+    refused(capsys, ["parity", "--model", model, "--regions", "all", "--out", f / "r.json"], "is a file")
+
+
+def test_out_inside_the_model(capsys, model, tmp_path):
+    refused(capsys, probe(model, model / "probe"), "is (or is inside) the input")
+
+
+def run_config(tmp_path, model, **overrides):
+    cfg = {"model": str(model), "task": {"name": "synthetic-add", "num_prompts": 64}, "steps": 2, **overrides}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_warm_start_and_train_outputs(capsys, model, tmp_path):
+    cfg = run_config(tmp_path, model, warm_start={"steps": 2})
+    f = tmp_path / "file"
+    f.write_text("x")
+    refused(capsys, ["warm-start", "--config", cfg, "--out", f], "is a file")
+    refused(capsys, ["warm-start", "--config", cfg, "--out", model], "is (or is inside) the input")
+    refused(capsys, ["train", "--config", cfg, "--out", f], "is a file")
+    assert not list(tmp_path.glob("*.tmp")) and not list(model.glob("*.tmp"))
+
+
+def test_readonly_parent(capsys, model, tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        import os
+
+        if os.access(parent, os.W_OK):  # root ignores the mode: nothing to test
+            pytest.skip("running as a user who can write anywhere")
+        refused(capsys, probe(model, parent / "o"), "is not writable")
+    finally:
+        parent.chmod(0o700)
+
+
+# ---------------------------------------------------------------- run-file types and ranges
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"numerics": {"regions": 1}}, "numerics: regions: must be a string"),
+    ({"numerics": {"regions": ["rope", "swiglu"]}}, "numerics: regions: must be a string"),
+    ({"steps": "40"}, "steps: must be an integer, got '40' (str)"),
+    ({"seed": "0"}, "seed: must be an integer"),
+    ({"max_completion_length": 100000}, "exceeds the model's max_position_embeddings (1024)"),
+    ({"sync_check": {"probe_tokens": 0}}, "probe_tokens >= 2"),
+    ({"warm_start": {"steps": 5, "learning_rate": -1}}, "warm_start: steps must be >= 0, learning_rate > 0"),
+    ({"warm_start": {"steps": 5, "batch_size": 0}}, "batch_size >= 1"),
+    ({"task": {"name": "synthetic-add", "num_prompts": 3}}, "the run would train nothing"),
+])
+def test_run_config_values(capsys, model, tmp_path, overrides, needle):
+    cfg = run_config(tmp_path, model, **overrides)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], needle, absent=tmp_path / "run")
+
+
+def test_run_config_spellings_users_write_are_accepted(model, tmp_path):
+    cfg = TrainConfig.from_yaml(run_config(tmp_path, model, learning_rate="1e-4", report_to="wandb"))
+    assert cfg.learning_rate == 1e-4 and cfg.report_to == ("wandb",)
+    # YAML 1.1 itself reads 1e-4 as a string: the file as a user writes it
+    (tmp_path / "plain.yaml").write_text(f"model: {model}\nlearning_rate: 1e-4\nreport_to: wandb\n")
+    assert TrainConfig.from_yaml(tmp_path / "plain.yaml").learning_rate == 1e-4
+
+
+# ---------------------------------------------------------------- reruns into a measuring command's directory
+
+def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
+    from rpa.numerics_config import NumericsConfig
+    from rpa.outdir import claim
+    from rpa.probe import ProbeOptions, recorded_options
+    from rpa.regions import parse_regions
+
+    out = tmp_path / "o"
+    numerics = NumericsConfig(regions=parse_regions("all"))
+    claim(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
+    line = refused(capsys, probe(model, out, "--seed", "1"), "made with other options (seed: 0 -> 1)")
+    assert "use another directory" in line
+    assert sorted(p.name for p in out.iterdir()) == ["options.json"]  # nothing else written
+    # the same options again are accepted (a rerun restarts cleanly): the check passes up front
+    from rpa.outdir import check_options
+
+    check_options(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
