@@ -149,13 +149,14 @@ def _invalid_runs(points: list[dict[str, Any]], where) -> list[str]:
     """A problem line (``where(point): error``) for every grid point whose run config is invalid."""
     from rpa.train_config import TrainConfig, TrainConfigError
 
-    problems = []
+    failing: dict[str, list[str]] = {}  # one line per distinct error, not one per cell that repeats it
     for p in points:
         try:
             TrainConfig.from_dict(p["config"])
         except TrainConfigError as err:
-            problems.append(f"{where(p)}: {err}")
-    return problems
+            failing.setdefault(str(err), []).append(where(p))
+    return [f"{cells[0]}{f' and {len(cells) - 1} more' if len(cells) > 1 else ''}: {err}"
+            for err, cells in failing.items()]
 
 
 def _train_problems(config: dict[str, Any]) -> list[str]:

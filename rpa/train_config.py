@@ -222,7 +222,8 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise TrainConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+            raise TrainConfigError(f"unknown key(s) {', '.join(unknown)}{_did_you_mean(unknown, known)}; "
+                                   f"valid: {', '.join(sorted(known))}")
         if "model" not in data:
             raise TrainConfigError("model: required (local directory or hub id)")
         nested = {"task": TaskSpec, "warm_start": WarmStart, "sync_check": SyncCheck, "collapse": CollapseThresholds}
@@ -267,13 +268,21 @@ class TrainConfig:
         return self.prompts_per_step * self.num_generations
 
 
+def _did_you_mean(unknown: list[str], known: set[str]) -> str:
+    import difflib
+
+    guesses = [g for u in unknown for g in difflib.get_close_matches(u, known, n=1)]
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 def _build(kind, value: Any, key: str):
     if not isinstance(value, dict):
         raise TrainConfigError(f"{key}: must be a mapping")
     names = {f.name for f in fields(kind)}
     unknown = sorted(set(value) - names)
     if unknown:
-        raise TrainConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        raise TrainConfigError(f"{key}: unknown key(s) {', '.join(unknown)}{_did_you_mean(unknown, names)}; "
+                               f"valid: {', '.join(sorted(names))}")
     try:
         return kind(**typed(kind, value, prefix=f"{key}."))
     except FieldTypeError as err:

@@ -200,3 +200,17 @@ def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
     from rpa.outdir import check_options
 
     check_options(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
+
+
+def test_a_misspelt_arm_key_is_reported_once_with_a_suggestion():
+    """One line per distinct error, not one per (model, seed) cell that repeats it."""
+    from rpa.pipeline import PipelineConfigError, check_config
+    from tests.conftest import REPO
+
+    config = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+    arm = list(config["study"]["arms"])[1]
+    config["study"]["arms"][arm] = {**config["study"]["arms"][arm], "lerning_rate": 1e-3}
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(config)
+    lines = [line for line in str(err.value).splitlines() if "lerning_rate" in line]
+    assert len(lines) == 1 and "(did you mean learning_rate?)" in lines[0] and " more: " in lines[0], err.value
