@@ -46,6 +46,8 @@ def check_model(spec: str, weights: bool = True) -> Any:
         raise InputError(f"model {spec}: no such directory, and not a hub id of the form 'org/name'")
     from transformers import AutoConfig
 
+    if not path.is_dir():
+        _check_hub_reachable(spec)
     try:
         config = AutoConfig.from_pretrained(source)
     except Exception as err:  # noqa: BLE001 - any failure to read the config is the user's input
@@ -60,6 +62,30 @@ def check_model(spec: str, weights: bool = True) -> Any:
     if weights and path.is_dir():
         check_checkpoint(path, spec)
     return config
+
+
+def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
+    """A hub id not in the local cache needs the hub: refuse at once when it cannot be reached
+    (offline mode, or no connection within ``timeout_s``), instead of after the hub client's
+    retries (~30 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(spec, "config.json")
+    if isinstance(cached, str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise InputError(f"model {spec}: no such local directory, and not in the Hugging Face cache (HF_HUB_OFFLINE "
+                         f"is set)")
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError as err:
+        raise InputError(f"model {spec}: no such local directory, not in the Hugging Face cache, and the hub "
+                         f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__})") from None
 
 
 def _safetensors_complete(path: Path) -> str | None:

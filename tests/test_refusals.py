@@ -214,3 +214,15 @@ def test_a_misspelt_arm_key_is_reported_once_with_a_suggestion():
         check_config(config)
     lines = [line for line in str(err.value).splitlines() if "lerning_rate" in line]
     assert len(lines) == 1 and "(did you mean learning_rate?)" in lines[0] and " more: " in lines[0], err.value
+
+
+def test_a_hub_id_the_hub_cannot_serve_is_refused_at_once(capsys, tmp_path, monkeypatch):
+    """A path that does not exist but looks like a hub id: the hub is asked once (here an
+    endpoint nothing listens on), not retried for half a minute."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    refused(capsys, probe("models/q3", tmp_path / "o"), "cannot be reached", absent=tmp_path / "o")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    refused(capsys, probe("models/q3", tmp_path / "o"), "HF_HUB_OFFLINE is set", absent=tmp_path / "o")
