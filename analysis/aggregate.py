@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change, positions_only
+from rpa.jsonfiles import atomic_path, write_text
 
 METRICS = ("tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
            "full_kl", "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside")
@@ -160,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     df = probe_table(args.results, args.configs)
-    df.to_csv(args.out_dir / "probe.csv", index=False)
-    (args.out_dir / "probe.md").write_text(markdown(df))
-    diagnose_table(args.results).to_csv(args.out_dir / "diagnose.csv", index=False)
+    with atomic_path(args.out_dir / "probe.csv") as tmp:
+        df.to_csv(tmp, index=False)
+    write_text(args.out_dir / "probe.md", markdown(df))
+    with atomic_path(args.out_dir / "diagnose.csv") as tmp:
+        diagnose_table(args.results).to_csv(tmp, index=False)
     print(f"aggregate: {len(df)} probe rows -> {args.out_dir}")
     return 0
 

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
-from rpa.jsonfiles import read_jsonl  # noqa: E402
+from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH = "mismatch/mean_abs_dlogp"
 PHANTOM = "mismatch/phantom_clip_rate"
@@ -235,7 +235,8 @@ def _figure_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
     ax.set(xlabel="step-1 entropy (nats/token)", ylabel="step-1 mean |dlogp|", yscale="log",
            title=f"{label}: pilot (red: eligible, star: chosen)")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
 
 
@@ -245,7 +246,8 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
     if curves.empty or arm not in curves:
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.text(0.5, 0.5, "no runs logged yet", ha="center")
-        fig.savefig(path, dpi=100)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100)
         plt.close(fig)
         return
     panels = list(manifest["axes"].get(rung, [None])) if rung in axes_names else [None]
@@ -269,7 +271,8 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
     fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8)
     fig.suptitle(f"{manifest['label']}: {manifest['stage']}")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
@@ -325,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"{summary['decision']['statement']}\n\n")
         text += ("Per group: collapsed / finished runs with an exact 95% interval on the collapse rate; "
                  "mismatch and phantom-clip rate before the collapse (all steps of runs that did not collapse).\n\n")
-    table.to_csv(f"{stem}.csv", index=False)
-    Path(f"{stem}.md").write_text(text + shown.to_markdown(index=False, floatfmt=".3g") + "\n"
+    with atomic_path(f"{stem}.csv") as tmp:
+        table.to_csv(tmp, index=False)
+    write_text(Path(f"{stem}.md"), text + shown.to_markdown(index=False, floatfmt=".3g") + "\n"
                                   + ("\n### Runs\n\n" + runs.to_markdown(index=False, floatfmt=".3g") + "\n"
                                      if args.stage != "pilot" else ""))
-    Path(f"{stem}.json").write_text(json.dumps(_clean(summary), indent=1) + "\n")
+    write_text(Path(f"{stem}.json"), json.dumps(_clean(summary), indent=1) + "\n")
     print(text.strip().splitlines()[-1] if text.strip() else "")
     return 0
 

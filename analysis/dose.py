@@ -52,6 +52,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from rpa.collapse import CollapseThresholds, rule_text, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
 
 MISMATCH_STEPS = 4
 """Default early window (steps 1..K) over which a run's mismatch is averaged for the dose axis.
@@ -589,7 +590,8 @@ def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path) -> None:
                title=f"anchors, IS off (upper half: old=sampler;\nlower half: old=trainer{note})",
                title_fontsize=10.5, handlelength=2.0, columnspacing=1.0)
     fig.tight_layout(rect=(0, 0.23, 1, 1), w_pad=1.0)
-    fig.savefig(path, dpi=200)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=200)
     plt.close(fig)
 
 
@@ -605,10 +607,13 @@ def main() -> None:
     per_group, sens = groups(runs), sensitivity_table(runs)
     th, anchors, sens_th = thresholds(runs), anchor_positions(runs), sensitivity_thresholds(runs)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    runs.to_csv(args.out_dir / "dose_runs.csv", index=False)
-    per_group.to_csv(args.out_dir / "dose.csv", index=False)
-    sens.to_csv(args.out_dir / "dose_sensitivity.csv", index=False)
-    (args.out_dir / "dose.md").write_text(markdown(runs, per_group, th, anchors, sens, sens_th,
+    with atomic_path(args.out_dir / "dose_runs.csv") as tmp:
+        runs.to_csv(tmp, index=False)
+    with atomic_path(args.out_dir / "dose.csv") as tmp:
+        per_group.to_csv(tmp, index=False)
+    with atomic_path(args.out_dir / "dose_sensitivity.csv") as tmp:
+        sens.to_csv(tmp, index=False)
+    write_text(args.out_dir / "dose.md", markdown(runs, per_group, th, anchors, sens, sens_th,
                                                    collapse_rule(args.results)))
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     figure(per_group, anchors, args.figure)

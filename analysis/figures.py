@@ -23,13 +23,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from rpa.jsonfiles import atomic_path  # noqa: E402
 
 
 def save_grid(grid, path: Path, title: str | None = None) -> None:
     """Write a seaborn FacetGrid to ``path`` and free it."""
     if title:
         grid.figure.suptitle(title, y=1.02)
-    grid.savefig(path, bbox_inches="tight", dpi=150)
+    with atomic_path(path) as tmp:
+        grid.savefig(tmp, bbox_inches="tight", dpi=150)
     plt.close(grid.figure)
 
 

@@ -24,6 +24,7 @@ import pandas as pd
 
 from analysis.latex import booktabs, escape
 from rpa.collapse import CollapseThresholds, rule_text
+from rpa.jsonfiles import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
@@ -153,7 +154,7 @@ def dose_parts(results: Path, out_dir: Path) -> str:
             "mean_abs_dlogp", "phantom_clip_rate", "final_reward"]
     window = int(per_group["mismatch_steps"].dropna().iloc[0]) if per_group["mismatch_steps"].notna().any() else None
     over = f"over steps 1-{window}" if window else "over all steps"
-    (out_dir / "dose_table.tex").write_text(booktabs(
+    write_text(out_dir / "dose_table.tex", booktabs(
         per_group[[c for c in cols if c in per_group]],
         f"Positive control per arm (mean over seeds; mean_abs_dlogp and phantom_clip_rate {over} of each run, "
         f"before any collapse; grad_spike_runs: runs with a gradient-norm spike, an event, not a collapse; "
@@ -206,7 +207,7 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None)
             "\\newcommand{\\claims}{\\begin{itemize}" + "\n".join(items) + "\\end{itemize}}",
             f"\\newcommand{{\\dosenote}}{{{dose}}}"]
     path = out_dir / "claims.tex"
-    path.write_text("\n".join(text) + "\n")
+    write_text(path, "\n".join(text) + "\n")
     return path
 
 
@@ -247,7 +248,7 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                                 "did not collapse by itself."))
     else:
         parts.append(escape("The grid has not run yet; the paper says nothing about it."))
-    path.write_text("\n\n".join(parts) + "\n")
+    write_text(path, "\n\n".join(parts) + "\n")
     return path
 
 

@@ -53,6 +53,7 @@ import pandas as pd  # noqa: E402
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
 from rpa.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -383,7 +384,8 @@ def _legend(fig, styles: dict[str, dict], shown: set[str], markers: bool = False
 def _save(fig, path: Path) -> None:
     """Write ``fig`` cropped to what it draws (a legend below the panels included) and free it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=150, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -472,10 +474,11 @@ def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readabl
                 latex: pd.DataFrame | None = None) -> None:
     """CSV (numbers), Markdown (``readable``, or the same table) and LaTeX (``latex``, a
     narrower frame that fits a page's width, or the Markdown's)."""
-    df.to_csv(tables / f"{name}.csv", index=False)
+    with atomic_path(tables / f"{name}.csv") as tmp:
+        df.to_csv(tmp, index=False)
     shown = df if readable is None else readable
-    (tables / f"{name}.md").write_text(f"### {caption}\n\n" + shown.to_markdown(index=False, floatfmt=".3g") + "\n")
-    (tables / f"{name}.tex").write_text(booktabs(shown if latex is None else latex, caption, f"tab:{name}"))
+    write_text(tables / f"{name}.md", f"### {caption}\n\n" + shown.to_markdown(index=False, floatfmt=".3g") + "\n")
+    write_text(tables / f"{name}.tex", booktabs(shown if latex is None else latex, caption, f"tab:{name}"))
 
 
 def _persistence_text(runs: pd.DataFrame) -> str:

@@ -21,6 +21,7 @@ import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
 from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
                "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status",
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     runs, curves = load(args.results)
     for p in (args.out_table, args.out_md, args.out_figure):
         p.parent.mkdir(parents=True, exist_ok=True)
-    runs.to_csv(args.out_table, index=False)
-    args.out_md.write_text(markdown(runs))
+    with atomic_path(args.out_table) as tmp:
+        runs.to_csv(tmp, index=False)
+    write_text(args.out_md, markdown(runs))
     figure(curves, args.out_figure)
     print(f"train summary: {len(runs)} runs -> {args.out_table}")
     return 0

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rpa.jsonfiles import write_json
+from rpa.jsonfiles import atomic_path, write_json
 from rpa.numerics_config import NumericsConfig
 
 SCHEMA = "rpa.diagnose/1"
@@ -188,11 +188,11 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         "provenance": started,
         "wall_s": round(time.time() - t0, 2),
     }
-    write_json(out / "summary.json", summary)  # atomic
-    with open(out / "layers.csv", "w", newline="") as f:
+    with atomic_path(out / "layers.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(LAYER_COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
+    write_json(out / "summary.json", summary)  # atomic, and last: a diagnose with a summary is whole
     return summary
 
 

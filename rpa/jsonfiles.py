@@ -1,14 +1,15 @@
 """Result files written so that a kill never leaves half of one: whole files by write + rename
-(:func:`write_json`, :func:`write_text`), JSON-lines logs appended a whole line per write
+(:func:`write_json`, :func:`write_text`, or any writer through :func:`atomic_path`), JSON-lines logs appended a whole line per write
 (:func:`append_jsonl`) and read back with a torn last line (a kill mid-append) dropped and,
 when asked, cut from the file (:func:`read_jsonl`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_text(path: Path, text: str) -> None:
@@ -20,6 +21,20 @@ def write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix, so writers that go by it still do) for a
+    writer to fill (``df.to_csv``, ``fig.savefig``, a ``csv`` writer); renamed over ``path``
+    when the block ends without an error, removed otherwise."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, data: Any, **kwargs: Any) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from rpa.errors import InputError
-from rpa.jsonfiles import write_json
+from rpa.jsonfiles import atomic_path, write_json
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
 from rpa.scoring import (
@@ -191,10 +191,10 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                          "trainer": alignment.describe(), "vocab_size": vocab}
     summary["provenance"] = started
     summary["wall_s"] = round(time.time() - t0, 2)
-    write_json(out / "summary.json", summary)  # atomic
-    with open(out / "tokens.csv", "w", newline="") as f:
+    with atomic_path(out / "tokens.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
+    write_json(out / "summary.json", summary)  # atomic, and last: a probe with a summary is whole
     _log(f"done in {summary['wall_s']} s -> {out}")
     return summary

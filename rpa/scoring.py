@@ -53,9 +53,9 @@ def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -
 
 
 def save_completions(path: Path, completions: list[dict[str, Any]]) -> None:
-    with open(path, "w") as f:
-        for c in completions:
-            f.write(json.dumps(c) + "\n")
+    from rpa.jsonfiles import write_text
+
+    write_text(path, "".join(json.dumps(c) + "\n" for c in completions))  # atomic
 
 
 def load_completions(path: str | Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ def test_probe_parity_and_diagnose_score_the_warm_started_checkpoint(tmp_path):
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
     commands = [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
-    probes = [c for c in commands if c.startswith("rpa probe --model")]
+    probes = [c[c.index("rpa probe --model"):] for c in commands if "rpa probe --model" in c]
     assert len(probes) == len(STUDY_CPU["models"]) * len(STUDY_CPU["probe"]["configs"])
     for line in probes:
         model = line.split("--model ")[1].split()[0]
