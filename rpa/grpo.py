@@ -694,7 +694,12 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
                "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped, "provenance": started}
-    write_json(out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
+    try:
+        write_json(out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
+    except OSError:
+        if error is None:
+            raise
+        raise error from None  # the run's own failure (e.g. a checkpoint it could not write), not the summary's
     if error is not None and not blew_up:
         raise error
     return summary

@@ -81,9 +81,18 @@ def read_metrics(path: Path, repair: bool = False) -> list[dict[str, Any]]:
     return read_jsonl(path, repair=repair)
 
 
+def _whole_state(checkpoint: Path) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is there and parses (a kill can cut it short)."""
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and
-             (p / "trainer_state.json").exists()]
+    """The newest checkpoint a run can resume from: one whose trainer state is whole."""
+    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and _whole_state(p)]
     return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 

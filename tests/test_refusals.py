@@ -226,3 +226,14 @@ def test_a_hub_id_the_hub_cannot_serve_is_refused_at_once(capsys, tmp_path, monk
     refused(capsys, probe("models/q3", tmp_path / "o"), "cannot be reached", absent=tmp_path / "o")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     refused(capsys, probe("models/q3", tmp_path / "o"), "HF_HUB_OFFLINE is set", absent=tmp_path / "o")
+
+
+def test_a_checkpoint_with_a_torn_trainer_state_is_not_resumed_from(tmp_path):
+    """A kill while a checkpoint's trainer_state.json was written: resume from the one before."""
+    from rpa.rundir import latest_checkpoint
+
+    for step, state in ((2, '{"global_step": 2}'), (4, '{"global_st')):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-6").mkdir()  # killed before its state was written at all
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
