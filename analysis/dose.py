@@ -52,7 +52,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from rpa.collapse import CollapseThresholds, rule_text, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
-from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
+from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH_STEPS = 4
 """Default early window (steps 1..K) over which a run's mismatch is averaged for the dose axis.
@@ -100,10 +100,6 @@ ANCHORS = ("fp32", "bf16-none", "bf16-all", "fp16")
 GROUP_KEYS = ["arm", "dose_bits", "is_correction", "old_logprobs"]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def window_means(metrics: list[dict], k: int, before_step: int | None = None) -> dict[str, float]:
     """Means of the mismatch columns over steps 1..k, and of ``mean_abs_dlogp`` over the steps
     before ``before_step`` (all steps if None) and over all steps."""
@@ -126,9 +122,9 @@ def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
         arm, setting, seed = run.parts[-3], run.parts[-2], int(run.name.removeprefix("seed"))
         correction, old = setting.rsplit("-", 1)
         cfg = json.loads(cfg_path.read_text())
-        metrics = _read_jsonl(run / "metrics.jsonl")
+        metrics = read_jsonl(run / "metrics.jsonl")
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        evals = _read_jsonl(run / "eval.jsonl")
+        evals = read_jsonl(run / "eval.jsonl")
         row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
                "is_correction": correction, "old_logprobs": old, "seed": seed,
                "invalid": invalid_setting(correction, old),

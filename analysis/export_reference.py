@@ -17,7 +17,7 @@ import csv
 import json
 import shutil
 from pathlib import Path
-from rpa.jsonfiles import write_text
+from rpa.jsonfiles import read_jsonl, write_text
 
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
@@ -42,7 +42,7 @@ def copy_run(src: Path, dst: Path) -> None:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
     if (src / "metrics.jsonl").exists():
-        lines = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        lines = read_jsonl(src / "metrics.jsonl")
         write_text(dst / "metrics.jsonl", "".join(json.dumps({k: r[k] for k in METRIC_KEYS if k in r}) + "\n"
                                                    for r in lines))
 

@@ -53,11 +53,7 @@ import pandas as pd  # noqa: E402
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
 from rpa.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
-from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 
 def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -67,7 +63,7 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
         run = results / "study" / c["cell"]
         row = {"model": c["model"], "arm": c["arm"], "seed": c["seed"], "state": "missing"}
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-        metrics = _jsonl(run / "metrics.jsonl")
+        metrics = read_jsonl(run / "metrics.jsonl")
         if summary is not None:
             row["state"] = "failed" if summary.get("status") == "error" else "finished"
             row["status"] = summary.get("status")
@@ -85,7 +81,7 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
             m = pd.DataFrame(metrics)
             row.update(train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
             curves.append(m.assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
-        e = _jsonl(run / "eval.jsonl")
+        e = read_jsonl(run / "eval.jsonl")
         if e:
             row["final_eval_accuracy"] = e[-1]["eval/accuracy"]
             evals.append(pd.DataFrame(e).assign(model=c["model"], arm=c["arm"], seed=c["seed"]))

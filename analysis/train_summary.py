@@ -21,7 +21,7 @@ import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
 from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
-from rpa.jsonfiles import atomic_path, write_text  # noqa: E402
+from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
                "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status",
@@ -34,8 +34,8 @@ def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         s = json.loads(path.read_text())
         model, setting, regions = path.parts[-5], path.parts[-4], path.parts[-3]
         seed = int(path.parts[-2].removeprefix("seed"))
-        metrics = pd.read_json(path.with_name("metrics.jsonl"), lines=True)
-        records = [json.loads(line) for line in path.with_name("metrics.jsonl").read_text().splitlines() if line]
+        records = read_jsonl(path.with_name("metrics.jsonl"))  # a torn last line (killed run) dropped
+        metrics = pd.DataFrame(records)
         # the verdict under the current definition, with the run's own thresholds
         verdict = run_verdict(records, CollapseThresholds(**s["config"]["collapse"]), s)
         runs.append({"model": model, "setting": setting, "regions": regions, "seed": seed,

@@ -175,7 +175,9 @@ def _run_train(model: Path, out: Path, launcher: list[str] | None = None,
     metrics = out / "run" / "metrics.jsonl"
     if not metrics.exists():
         return None, f"no {metrics} ({_last_line(proc)})"
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], ""
+    from rpa.jsonfiles import read_jsonl
+
+    return read_jsonl(metrics), ""
 
 
 def _steps_and_losses(records: list[dict]) -> tuple[bool, str]:

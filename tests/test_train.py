@@ -325,3 +325,16 @@ def test_torn_log_lines_are_dropped_and_repaired(tmp_path):
     path.write_text('{"step": 1}\n{oops\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         read_jsonl(path)  # a bad line in the middle is not a torn append: an error naming it
+
+
+def test_train_summary_regenerates_from_committed_raw_results(tmp_path):
+    """The committed GRPO-grid table is what analysis.train_summary computes from the committed runs."""
+    from tests.conftest import REPO
+
+    reference = REPO / "results/reference/cpu"
+    out = tmp_path / "train"
+    proc = run_py(["-m", "analysis.train_summary", "--results", str(reference), "--out-table", f"{out}.csv",
+                   "--out-md", f"{out}.md", "--out-figure", str(tmp_path / "curves.png")])
+    assert proc.returncode == 0, tail(proc)
+    for ext in ("csv", "md"):
+        assert (tmp_path / f"train.{ext}").read_text() == (reference / f"tables/train.{ext}").read_text(), ext
