@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from rpa.jsonfiles import atomic_path, write_json
 from rpa.numerics_config import NumericsConfig
+from rpa.runlog import log
 
 SCHEMA = "rpa.diagnose/1"
 BOUNDARIES: tuple[str, ...] = ("attn_in", "attn_out", "mid_stream", "mlp_in", "swiglu_out", "mlp_out", "layer_out")
@@ -142,7 +142,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     out = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed))
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
-    print(f"[rpa diagnose] {model}: {numerics.to_dict()}, {len(sequences)} sequences", file=sys.stderr, flush=True)
+    log("diagnose", f"{model}: {numerics.to_dict()}, {len(sequences)} sequences")
     llm = make_llm(model, numerics, enforce_eager=True, seed=seed, enable_prefix_caching=False)
     llm.collective_rpc(_worker_install)
     vllm_runs = []

@@ -56,3 +56,15 @@ def full_kl(logp_sampler, logp_trainer) -> np.ndarray:
     p = np.exp(mu)
     terms = np.where(p > 0, p * (mu - np.where(p > 0, pi, 0.0)), 0.0)
     return terms.sum(-1)
+
+
+def phantom_clipped(trainer_logps, sampler_logps, advantages, epsilon_low: float, epsilon_high: float):
+    """Per token: does PPO's clip bind on the first update after a sync, before the policy has
+    moved, when the old log-probabilities are the sampler's? The ratio is then pi/mu at equal
+    weights -- the mismatch alone -- and the clipped branch is taken where the advantage
+    pushes past the clip: ratio > 1 + eps_high with A > 0, or < 1 - eps_low with A < 0."""
+    import torch
+
+    ratio = torch.exp(trainer_logps - sampler_logps)
+    adv = advantages if advantages.dim() == ratio.dim() else advantages.unsqueeze(-1)
+    return ((ratio > 1 + epsilon_high) & (adv > 0)) | ((ratio < 1 - epsilon_low) & (adv < 0))

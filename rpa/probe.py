@@ -31,7 +31,6 @@ from __future__ import annotations
 import csv
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from rpa.errors import InputError
 from rpa.jsonfiles import atomic_path, write_json
 from rpa.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.numerics_config import NumericsConfig
+from rpa.runlog import log
 from rpa.scoring import (
     load_completions,
     sample_completions,
@@ -92,7 +92,7 @@ def default_prompts(n: int, seed: int) -> list[str]:
 
 
 def _log(msg: str) -> None:
-    print(f"[rpa probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log("probe", msg)
 
 
 def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:

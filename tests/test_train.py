@@ -56,7 +56,7 @@ def test_config_errors_name_the_key_and_load_nothing(tmp_path, capsys, patch, ne
 def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_path):
     """The advantage scaling is a run-config field passed to TRL as is; a config.json written
     before the field existed is the same run as one with the default (no "different config")."""
-    from rpa.grpo import _grpo_args, grpo_settings
+    from rpa.trl_adapter import grpo_args as _grpo_args, grpo_settings
     from rpa.rundir import same_config
 
     cfg = TrainConfig.from_dict({"model": "m", **BASE, "scale_rewards": "none"})
@@ -73,7 +73,7 @@ def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_pat
 def test_off_policy_and_schedule_knobs_reach_trl(tmp_path):
     """updates_per_generation counts optimizer steps (TRL's steps_per_generation counts
     micro-batches), num_iterations is GRPO's mu, the schedule and eval temperature are data."""
-    from rpa.grpo import _grpo_args
+    from rpa.trl_adapter import grpo_args as _grpo_args
 
     cfg = TrainConfig.from_dict({"model": "m", **BASE, "updates_per_generation": 3, "num_iterations": 2,
                                  "lr_scheduler_type": "constant", "per_device_train_batch_size": 8})
@@ -180,7 +180,7 @@ print(json.dumps(res))
 
 
 def test_sync_check_classification():
-    from rpa.grpo import EngineDivergence, WeightSyncError, check_sync_result
+    from rpa.sync_check import EngineDivergence, WeightSyncError, check_sync_result
 
     assert check_sync_result(0.01, 0.05, 5.0, [-1.0, -2.0], [-1.5, -2.5], step=3) is False  # within tolerance
     with pytest.raises(WeightSyncError, match="did not change"):  # stale: vLLM's logprobs are the old ones
@@ -338,3 +338,38 @@ def test_train_summary_regenerates_from_committed_raw_results(tmp_path):
     assert proc.returncode == 0, tail(proc)
     for ext in ("csv", "md"):
         assert (tmp_path / f"train.{ext}").read_text() == (reference / f"tables/train.{ext}").read_text(), ext
+
+
+def test_the_trl_adapter_is_pinned_to_the_locked_trl_and_refuses_another(monkeypatch):
+    """rpa/trl_adapter.py is the one module on TRL's private API: its TRL release is the lock's,
+    and importing it under another TRL is refused in one line instead of failing mid-run."""
+    import importlib
+
+    import trl
+
+    from rpa import trl_adapter
+    from tests.conftest import REPO
+
+    for lock in ("requirements/cpu.txt", "requirements/gpu.txt"):
+        assert f"trl=={trl_adapter.TRL_VERSION}\n" in (REPO / lock).read_text(), lock
+    assert f'"trl=={trl_adapter.TRL_VERSION}"' in (REPO / "pyproject.toml").read_text()
+    monkeypatch.setattr(trl, "__version__", "9.9.9")
+    from rpa.errors import UserError
+
+    with pytest.raises(UserError, match="written against trl 1.16.0, but trl 9.9.9 is installed"):
+        importlib.reload(trl_adapter)
+    monkeypatch.undo()
+    importlib.reload(trl_adapter)
+
+
+def test_phantom_clipping_binds_only_past_the_clip_in_the_advantages_direction():
+    import torch
+
+    from rpa.metrics import phantom_clipped
+
+    trainer = torch.log(torch.tensor([[1.3, 0.7, 1.3, 0.7, 1.1]]))
+    sampler = torch.zeros(1, 5)
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0])
+    got = [phantom_clipped(trainer, sampler, a.reshape(1), 0.2, 0.28)[0].tolist() for a in advantages]
+    # ratio 1.3 > 1.28 with A > 0 binds; 0.7 < 0.8 with A < 0 binds; the other pairings and 1.1 do not
+    assert [row[i] for i, row in enumerate(got)] == [True, False, False, True, False]
