@@ -27,3 +27,13 @@ def run_py(args: list[str], env: dict[str, str] | None = None, timeout: int = 90
 
 def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return f"rc={proc.returncode}\nstdout:\n{proc.stdout[-n:]}\nstderr:\n{proc.stderr[-n:]}"
+
+
+def assert_figure(path, min_side: int = 200) -> None:
+    """A PNG that decodes, is at least ``min_side`` pixels on each side and is not blank."""
+    from matplotlib.image import imread
+
+    img = imread(path)
+    assert img.shape[0] >= min_side and img.shape[1] >= min_side, (path, img.shape)
+    assert float(img[..., :3].std()) > 0.01, f"{path} is blank"
+

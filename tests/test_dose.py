@@ -16,7 +16,7 @@ from rpa.collapse import CollapseThresholds, sensitivity, sensitivity_settings
 
 from rpa import numerics
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
-from tests.conftest import REPO, run_py, tail
+from tests.conftest import REPO, assert_figure, run_py, tail
 
 
 @pytest.mark.parametrize("bits", [1, 3, 6])
@@ -78,7 +78,7 @@ def test_dose_analysis_regenerates_from_committed_raw_results(tmp_path):
     assert proc.returncode == 0, tail(proc)
     for name in ("dose.csv", "dose_runs.csv", "dose_sensitivity.csv", "dose.md"):
         assert (out / name).read_text() == (REFERENCE / "tables" / name).read_text(), name
-    assert (tmp_path / "dose.png").stat().st_size > 10_000
+    assert_figure(tmp_path / "dose.png")
     md = (out / "dose.md").read_text()
     assert "### Threshold" in md and "### Sensitivity of the verdicts" in md
     assert f"mean |dlogp| over steps 1-{dose.MISMATCH_STEPS}" in md and "profile-likelihood 95% interval" in md

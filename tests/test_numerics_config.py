@@ -114,3 +114,19 @@ def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
     assert ent.shape == (1, 6) and (ent > 0).all()
     assert hidden.dtype == torch.bfloat16
     assert not torch.equal(fused[0, 7:13].gather(-1, ids[0, 8:, None])[:, 0], a[0])
+
+
+@pytest.mark.parametrize("spec,bits", [(None, None), ("", None), (" none ", None), ("mantissa_bits=4", 4),
+                                       ("mantissa_bits = 1", 1), ("mantissa_bits=6", 6)])
+def test_the_plugins_perturbation_setting_parses(spec, bits):
+    from rpa.vllm_plugin import parse_perturbation
+
+    assert parse_perturbation(spec) == bits
+
+
+@pytest.mark.parametrize("spec", ["mantissa_bits=0", "mantissa_bits=7", "bits=3", "mantissa_bits=x", "mantissa_bits"])
+def test_the_plugins_perturbation_setting_refuses_what_is_not_a_dose(spec):
+    from rpa.vllm_plugin import PERTURB_ENV, parse_perturbation
+
+    with pytest.raises(ValueError, match=f"{PERTURB_ENV}=.*expected 'mantissa_bits=K' with K in 1..6"):
+        parse_perturbation(spec)

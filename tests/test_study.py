@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rpa.pipeline import deep_merge, study_points, study_resources, train_points
-from tests.conftest import REPO, run_py, tail
+from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 
 STUDY = yaml.safe_load((REPO / "experiments/study.yaml").read_text())
@@ -163,7 +163,7 @@ def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
     for name, text in committed.items():
         assert (res / f"tables/{name}").read_text() == text
     for name in ("rewards", "mismatch_curves", "heatmap"):
-        assert (res / f"figures/study_{name}.png").stat().st_size > 10_000
+        assert_figure(res / f"figures/study_{name}.png")
     tex = (res / "tables/study_mismatch.tex").read_text()
     assert "\\toprule" in tex and "\\bottomrule" in tex
 
