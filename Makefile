@@ -8,7 +8,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup main train-grid test test-fast bench gpu-check clean
+.PHONY: setup main train-grid test test-fast test-unit bench gpu-check clean
 
 $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +32,16 @@ main: $(STAMP)
 train-grid: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES) train_all
 
+# every kind (unit, cli, engine: see pyproject.toml); the 25 slowest are listed at the end
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=25
 
+# unit + cli: no vLLM engine, no TRL run
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not engine"
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit
 
 # On a CUDA machine, in the GPU install (README, "Install"), not the CPU venv: parity (eager and
 # compiled + CUDA graphs), a probe and three GRPO steps on a tiny model; PASS/FAIL per step.

@@ -1,4 +1,6 @@
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,22 @@ import pytest
 from rpa.tiny import TinySpec, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
+
+SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
+"""How a test starts a process (the helpers here and in the test modules)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets one kind: ``engine`` as marked in its file, else ``cli`` when its body
+    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``."""
+    for item in items:
+        if item.get_closest_marker("engine"):
+            continue
+        try:
+            source = inspect.getsource(item.function)
+        except (OSError, TypeError):
+            source = ""
+        item.add_marker("cli" if SUBPROCESS_CALL.search(source) else "unit")
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def test_the_dose_is_off_by_default_named_and_refused_where_meaningless():
         NumericsConfig.from_dict({"sampler_perturbation": {"mantissa_bits": 7}})
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_dose_perturbs_the_sampler_only_and_the_probe_measures_it(tiny_dirs, tmp_path):
     model = tiny_dirs["qwen3"]
 

