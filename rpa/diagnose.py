@@ -156,9 +156,11 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     del llm
     release_memory()
 
-    hf, alignment = numerics.load_trainer_model(model)
+    from rpa.trainer import load_trainer_model, trainer_context
+
+    hf, alignment = load_trainer_model(numerics, model)
     hf_runs = []
-    with numerics.trainer_context(), torch.no_grad():
+    with trainer_context(numerics), torch.no_grad():
         for ids in sequences:
             store: dict = {}
             handles = install_hooks(hf, "hf", store)

@@ -299,7 +299,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         _claim_rendezvous_port()
         tokenizer = AutoTokenizer.from_pretrained(init_dir)
         model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
-        alignment = cfg.numerics.align(model)
+        from rpa.trainer import align_for
+
+        alignment = align_for(cfg.numerics, model)
         described = alignment.describe()
         probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
         probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]

@@ -12,12 +12,13 @@ trainer mode:
 
 Both sides load the same checkpoint and cast it to their dtype themselves, so they hold
 the same weights. Invalid combinations raise :class:`NumericsConfigError` naming the
-problem. This module imports no torch at import time.
+problem. This module is data: it imports no torch at import time, and what builds a model or
+an engine from a configuration lives with the side that builds it (:func:`rpa.trainer.load_trainer_model`,
+:func:`rpa.trainer.align_for`, :func:`rpa.engine.make_llm`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,38 +193,6 @@ class NumericsConfig:
         if self.lm_head_fp32:
             kwargs["hf_overrides"] = {"head_dtype": "float32"}
         return kwargs
-
-    # ---------------------------------------------------------------- trainer side
-
-    def align(self, model):
-        """Install :func:`rpa.trainer.align_model` on a HF model (BF16 or FP32 masters) for this
-        configuration: the regions, the compute dtype (none in autocast mode) and the LM head."""
-        from rpa.trainer import align_model
-
-        autocast = self.trainer_mode == "autocast"
-        return align_model(model, self.trainer_regions, compute_dtype=None if autocast else self.torch_dtype(),
-                           lm_head_fp32=self.lm_head_fp32, positions_from_mask=self.positions_from_mask)
-
-    def load_trainer_model(self, model: str, **kwargs):
-        """The HF model for this configuration on :meth:`trainer_device`, with :meth:`align`
-        installed. Returns ``(model, alignment)``; run forwards inside :meth:`trainer_context`.
-        """
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        autocast = self.trainer_mode == "autocast"
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else self.torch_dtype(),
-                                                  **kwargs).to(self.trainer_device())
-        hf.eval()
-        return hf, self.align(hf)
-
-    def trainer_context(self):
-        """``torch.autocast`` at the precision in autocast mode, else a null context."""
-        if self.trainer_mode != "autocast":
-            return contextlib.nullcontext()
-        import torch
-
-        return torch.autocast(device_type=torch.device(self.trainer_device()).type, dtype=self.torch_dtype())
 
 
 def sampler_device_type() -> str:

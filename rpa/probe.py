@@ -145,11 +145,13 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     release_memory()
     _log("vLLM scoring done and engine closed; trainer side")
 
-    hf, alignment = numerics.load_trainer_model(model)
+    from rpa.trainer import load_trainer_model, trainer_context
+
+    hf, alignment = load_trainer_model(numerics, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pi, pi_kl, pi_entropy = [], [], []
-    with numerics.trainer_context():
+    with trainer_context(numerics):
         for c, dist in zip(completions, mu_dist or [None] * len(completions)):
             picked, entropy, pi_dist = trainer_token_stats(hf, c["prompt_ids"], c["completion_ids"], full=full)
             if full:

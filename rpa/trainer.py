@@ -35,6 +35,8 @@ first real token).
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import inspect
 import types
@@ -416,3 +418,35 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
         handle.remove()
         raise
     return handle
+
+
+# ------------------------------------------------------------ from a numerics configuration
+
+
+def align_for(config, model: nn.Module) -> TrainerAlignment:
+    """:func:`align_model` for a :class:`~rpa.numerics_config.NumericsConfig` on a HF model (BF16
+    or FP32 masters): its trainer-side regions, compute dtype (none in autocast mode), LM head
+    and RoPE positions."""
+    autocast = config.trainer_mode == "autocast"
+    return align_model(model, config.trainer_regions, compute_dtype=None if autocast else config.torch_dtype(),
+                       lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask)
+
+
+def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, TrainerAlignment]:
+    """The HF model for ``config`` on its trainer device, aligned (:func:`align_for`), in eval
+    mode. Returns ``(model, alignment)``; run forwards inside :func:`trainer_context`."""
+    from transformers import AutoModelForCausalLM
+
+    autocast = config.trainer_mode == "autocast"
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else config.torch_dtype(),
+                                              **kwargs).to(config.trainer_device())
+    hf.eval()
+    return hf, align_for(config, hf)
+
+
+def trainer_context(config):
+    """``torch.autocast`` at the precision in autocast mode, else a null context."""
+    if config.trainer_mode != "autocast":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(config.trainer_device()).type, dtype=config.torch_dtype())
+

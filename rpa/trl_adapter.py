@@ -90,7 +90,9 @@ def make_trainer_class():
                 # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
                 # it must score in the same numerics as the policy, or the KL term measures the
                 # numerics gap (at step 1 the two must agree bit for bit)
-                self.rpa_ref_alignment = rpa_config.numerics.align(self.accelerator.unwrap_model(self.ref_model))
+                from rpa.trainer import align_for
+
+                self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
 
             llm = self.vllm_generation.llm
             verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from rpa.cli import main as cli_main
 from rpa.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
+from rpa.trainer import load_trainer_model, trainer_context
 
 
 def test_defaults_are_the_study_baseline():
@@ -51,15 +52,15 @@ def test_cli_refuses_invalid_combination_before_loading(capsys, tmp_path):
 @pytest.mark.parametrize("mode", ["compute", "autocast"])
 def test_fp32_lm_head_is_fp32_linear_of_the_hidden_state(tiny_dirs, mode):
     numerics = NumericsConfig.from_dict({"regions": "all", "lm_head_fp32": True, "trainer_mode": mode})
-    model, handle = numerics.load_trainer_model(str(tiny_dirs["qwen3"]))
+    model, handle = load_trainer_model(numerics, str(tiny_dirs["qwen3"]))
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
-    with numerics.trainer_context(), torch.no_grad():
+    with trainer_context(numerics), torch.no_grad():
         out = model(ids, output_hidden_states=True)
     hidden = out.hidden_states[-1]
     assert out.logits.dtype == torch.float32 and handle.describe()["lm_head_fp32"]
     assert torch.equal(out.logits, F.linear(hidden.float(), model.lm_head.weight.float()))
     handle.remove()
-    with numerics.trainer_context(), torch.no_grad():  # control: the stock head runs in BF16
+    with trainer_context(numerics), torch.no_grad():  # control: the stock head runs in BF16
         plain = model.lm_head(hidden)
     assert plain.dtype == torch.bfloat16 and not torch.equal(plain.float(), out.logits)
 

@@ -128,6 +128,7 @@ def test_positions_are_an_independent_option(tiny_dirs):
     from transformers import AutoModelForCausalLM
 
     from rpa.numerics_config import NumericsConfig
+    from rpa.trainer import align_for
     from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
 
     g = torch.Generator().manual_seed(1)
@@ -139,7 +140,7 @@ def test_positions_are_an_independent_option(tiny_dirs):
                            "none-stock": {"regions": "none", "trainer_positions": "stock"},
                            "rope-stock": {"regions": "rope", "trainer_positions": "stock"},
                            "rope-auto": {"regions": "rope"}}.items():
-        with NumericsConfig.from_dict(numerics).align(model):
+        with align_for(NumericsConfig.from_dict(numerics), model):
             single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
             same[name] = single == trainer_batch_logprobs(model, comps, pad_id=0)
     assert same == {"none-mask": True, "none-stock": False, "rope-stock": False, "rope-auto": True}
