@@ -52,11 +52,10 @@ def _numerics(args: argparse.Namespace):
 
 
 def _probe_options(args: argparse.Namespace):
+    from rpa.fieldtypes import from_args
     from rpa.probe import ProbeOptions
 
-    return ProbeOptions(prompts=args.prompts, samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
-                        compiled=args.compiled, full_kl_max_vocab=args.full_kl_max_vocab,
-                        ratio_band=tuple(args.ratio_band))
+    return from_args(ProbeOptions, args)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -146,6 +145,8 @@ def _cmd_warm_start(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rpa.fieldtypes import add_arguments
+    from rpa.probe import ProbeOptions
     from rpa.tiny import TinySpec
 
     parser = argparse.ArgumentParser(prog="rpa", description=__doc__)
@@ -180,14 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--out", required=True, help="output directory (summary.json, tokens.csv)")
     probe.add_argument("--completions", help="score these fixed completions (a completions.jsonl of another "
                                              "probe run) instead of sampling")
-    probe.add_argument("--prompts", type=int, default=16)
-    probe.add_argument("--samples", type=int, default=2, help="completions per prompt")
-    probe.add_argument("--max-tokens", type=int, default=64)
-    probe.add_argument("--seed", type=int, default=0)
-    probe.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
-    probe.add_argument("--full-kl-max-vocab", type=int, default=4096,
-                       help="compute full_kl only for vocabularies up to this size")
-    probe.add_argument("--ratio-band", type=float, nargs=2, default=(0.8, 1.25), metavar=("LO", "HI"))
+    add_arguments(probe, ProbeOptions)  # one flag per field, default and help from the dataclass
     probe.set_defaults(func=_cmd_probe)
 
     diag = sub.add_parser("diagnose", help="per-layer, per-region-boundary hidden-state divergence, vLLM vs trainer")

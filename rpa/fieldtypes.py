@@ -84,3 +84,56 @@ def typed(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: coerce(prefix + k, v, hints[k]) if k in names else v for k, v in data.items()}
+
+
+# ------------------------------------------------------------------ command-line flags from fields
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser, cls: type) -> None:
+    """One ``--flag`` per field of the dataclass ``cls``, its default and help taken from the
+    field (``metadata={"help": ...}``): a bool defaulting to false is a switch; a fixed-length
+    tuple takes that many values. Values are checked when the dataclass is built from them."""
+    import argparse
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, help_text = hints[f.name], f.metadata.get("help", "")
+        shown = f"{help_text} (default: {f.default})" if help_text else f"default: {f.default}"
+        if hint is bool:
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            parser.add_argument(_flag(f.name), action=action, default=f.default, help=help_text or None)
+        elif typing.get_origin(hint) is tuple:
+            args = typing.get_args(hint)
+            parser.add_argument(_flag(f.name), type=args[0], nargs=len(args), default=f.default, help=shown,
+                                metavar=tuple(a.upper() for a in ("lo", "hi")) if len(args) == 2 else None)
+        else:
+            parser.add_argument(_flag(f.name), type=hint, default=f.default, help=shown,
+                                choices=f.metadata.get("choices"))
+
+
+def from_args(cls: type, args) -> Any:
+    """The dataclass ``cls`` built from the flags :func:`add_arguments` added."""
+    hints = typing.get_type_hints(cls)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in values.items()})
+
+
+def to_flags(obj: Any, names: tuple[str, ...] | None = None) -> str:
+    """The flags that give the dataclass instance ``obj`` (its fields ``names``, default all)
+    on the command line: what :func:`add_arguments` reads back."""
+    parts = []
+    for f in dataclasses.fields(obj):
+        if names is not None and f.name not in names:
+            continue
+        value = getattr(obj, f.name)
+        if isinstance(value, bool):
+            parts += [_flag(f.name)] if value else []
+        elif isinstance(value, tuple):
+            parts.append(f"{_flag(f.name)} {' '.join(map(str, value))}")
+        else:
+            parts.append(f"{_flag(f.name)} {value}")
+    return " ".join(parts)

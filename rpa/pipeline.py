@@ -37,6 +37,26 @@ def _tiny_problem(spec: Any) -> str | None:
     return None
 
 
+def probe_options(config: dict[str, Any]):
+    """The :class:`~rpa.probe.ProbeOptions` of the config's ``probe:`` section (the options it
+    names; the dataclass fills in and checks the rest)."""
+    import dataclasses
+
+    from rpa.probe import ProbeOptions
+
+    given = {f.name: config["probe"][f.name] for f in dataclasses.fields(ProbeOptions) if f.name in config["probe"]}
+    if "ratio_band" in given:
+        given["ratio_band"] = tuple(given["ratio_band"])
+    return ProbeOptions(**given)
+
+
+def probe_flags(config: dict[str, Any]) -> str:
+    """``rpa probe`` flags for the config's probe options (:func:`rpa.fieldtypes.to_flags`)."""
+    from rpa.fieldtypes import to_flags
+
+    return to_flags(probe_options(config), names=tuple(config["probe"]))
+
+
 def check_config(config: dict[str, Any]) -> None:
     """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``."""
     problems: list[str] = []
@@ -59,9 +79,10 @@ def check_config(config: dict[str, Any]) -> None:
     sampler = config["probe"]["sampler"]
     if sampler not in configs:
         problems.append(f"probe.sampler: {sampler!r} is not a name in probe.configs")
-    lo, hi = config["probe"].get("ratio_band", (0.8, 1.25))
-    if not 0 < lo < 1 < hi:
-        problems.append(f"probe.ratio_band: need 0 < lo < 1 < hi, got {[lo, hi]}")
+    try:
+        probe_options(config)
+    except (ValueError, TypeError) as err:
+        problems.append(f"probe: {err}")
     for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs")):
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:

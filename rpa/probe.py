@@ -32,7 +32,7 @@ import csv
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +63,18 @@ next-token distribution at that position (mismatch tracks it: report them togeth
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    prompts: int = 16
-    samples: int = 2
-    max_tokens: int = 64
-    seed: int = 0
-    compiled: bool = False
-    full_kl_max_vocab: int = 4096
-    ratio_band: tuple[float, float] = RATIO_BAND
-    max_model_len: int = 1024
+    """The probe's options: the ``rpa probe`` flags and the ``probe:`` section of a pipeline config
+    are built from these fields (:func:`rpa.fieldtypes.add_arguments`, :func:`~rpa.fieldtypes.to_flags`)."""
+
+    prompts: int = field(default=16, metadata={"help": "prompts to sample completions for"})
+    samples: int = field(default=2, metadata={"help": "completions per prompt"})
+    max_tokens: int = field(default=64, metadata={"help": "tokens per completion at most"})
+    seed: int = field(default=0, metadata={"help": "seed of the prompts and of vLLM's sampling"})
+    full_kl_max_vocab: int = field(default=4096, metadata={"help": "compute full_kl only for vocabularies up to this size"})
+    ratio_band: tuple[float, float] = field(default=RATIO_BAND, metadata={
+        "help": "the band of pi/mu ratios counted as inside (frac_ratio_outside)"})
+    compiled: bool = field(default=False, metadata={"help": "run vLLM compiled (default: eager)"})
+    max_model_len: int = field(default=1024, metadata={"help": "vLLM's context length"})
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_tokens", "max_model_len"):

@@ -2,7 +2,7 @@
 
 import re
 
-from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, search_points,
+from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, probe_flags, search_points,
                           study_arm_names, study_init_config, study_points, study_resources, tiny_flags, train_points)
 
 R = config["results"]

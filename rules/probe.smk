@@ -3,10 +3,7 @@
 
 
 def probe_options():
-    lo, hi = PROBE["ratio_band"]
-    opts = (f"--prompts {PROBE['prompts']} --samples {PROBE['samples']} --max-tokens {PROBE['max_tokens']} "
-            f"--seed {PROBE['seed']} --full-kl-max-vocab {PROBE['full_kl_max_vocab']} --ratio-band {lo} {hi}")
-    return opts + (" --compiled" if PROBE["compiled"] else "")
+    return probe_flags(config)  # rpa.pipeline: the flags ProbeOptions reads back
 
 
 def probe_completions(wildcards):

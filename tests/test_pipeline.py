@@ -134,3 +134,35 @@ def test_lock_checker_finds_conflicts_and_missing_pins():
     assert len(problems) == 2
     assert lock._wheel_fits("hf_xet-1.8.0-cp37-abi3-manylinux_2_17_x86_64.whl", "3.11")
     assert not lock._wheel_fits("torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl", "3.11")
+
+
+def test_probe_options_have_one_owner_from_config_to_flags_and_back():
+    """The probe: section, the flags the rule writes and the flags rpa probe reads are one
+    dataclass (rpa.probe.ProbeOptions): config -> flags -> parsed options is the identity, and a
+    bad range is reported by the dataclass for the config as for the command line."""
+    import shlex
+
+    from rpa.cli import _probe_options, build_parser
+    from rpa.pipeline import probe_flags, probe_options
+
+    config = copy.deepcopy(DEFAULT)
+    config["probe"].update(prompts=7, ratio_band=[0.5, 2.0], compiled=True)
+    argv = ["probe", "--model", "m", "--regions", "all", "--out", "o", *shlex.split(probe_flags(config))]
+    assert _probe_options(build_parser().parse_args(argv)) == probe_options(config)
+    config["probe"]["ratio_band"] = [1.25, 0.8]
+    with pytest.raises(PipelineConfigError, match="probe: ratio_band must satisfy 0 < lo < 1 < hi"):
+        check_config(config)
+
+
+def test_the_schemas_probe_defaults_are_the_dataclasses():
+    import dataclasses
+
+    from rpa.probe import ProbeOptions
+
+    schema = yaml.safe_load((REPO / "experiments/schema/config.schema.yaml").read_text())
+    props = schema["properties"]["probe"]["properties"]
+    for f in dataclasses.fields(ProbeOptions):
+        if f.name in props:
+            default = props[f.name]["default"]
+            assert (tuple(default) if isinstance(default, list) else default) == f.default, f.name
+    assert {"prompts", "samples", "max_tokens", "seed", "compiled", "full_kl_max_vocab", "ratio_band"} <= set(props)
