@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
+    from rpa.fieldtypes import from_args
     from rpa.tiny import TinySpec, build_tiny
 
-    spec = TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec)})
+    spec = from_args(TinySpec, args)
     out = build_tiny(args.out, spec)
     print(f"rpa tiny: wrote {spec.arch} model ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}) to {out}")
     return 0
@@ -154,14 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny", help="build a tiny random Qwen2/Qwen3 model + local tokenizer")
     tiny.add_argument("--out", required=True, help="output directory")
-    for f in fields(TinySpec):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            tiny.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name == "arch":
-            tiny.add_argument(flag, choices=("qwen2", "qwen3"), default=f.default)
-        else:
-            tiny.add_argument(flag, type=type(f.default), default=f.default)
+    add_arguments(tiny, TinySpec)
     tiny.set_defaults(func=_cmd_tiny)
 
     parity = sub.add_parser("parity", help="fail-closed bitwise check of region numerics, vLLM vs trainer")
@@ -215,9 +208,10 @@ def _check_inputs(args: argparse.Namespace) -> None:
     from rpa.inputs import check_model, check_output, check_token_ids
 
     if args.command == "tiny":
+        from rpa.fieldtypes import from_args
         from rpa.tiny import TinySpec
 
-        TinySpec(**{f.name: getattr(args, f.name) for f in fields(TinySpec)}).validate()
+        from_args(TinySpec, args).validate()
         check_output(args.out, "dir")
         return
     if args.command in ("train", "warm-start"):

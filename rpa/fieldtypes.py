@@ -95,17 +95,17 @@ def _flag(name: str) -> str:
 
 def add_arguments(parser, cls: type) -> None:
     """One ``--flag`` per field of the dataclass ``cls``, its default and help taken from the
-    field (``metadata={"help": ...}``): a bool defaulting to false is a switch; a fixed-length
-    tuple takes that many values. Values are checked when the dataclass is built from them."""
+    field (``metadata={"help": ...}``, and ``"choices"`` where the values are few): a bool is a
+    ``--name``/``--no-name`` pair; a fixed-length tuple takes that many values. Values are checked when the dataclass is built from them."""
     import argparse
 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint, help_text = hints[f.name], f.metadata.get("help", "")
         shown = f"{help_text} (default: {f.default})" if help_text else f"default: {f.default}"
-        if hint is bool:
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            parser.add_argument(_flag(f.name), action=action, default=f.default, help=help_text or None)
+        if hint is bool:  # --name / --no-name
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text or None)
         elif typing.get_origin(hint) is tuple:
             args = typing.get_args(hint)
             parser.add_argument(_flag(f.name), type=args[0], nargs=len(args), default=f.default, help=shown,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rpa.errors import InputError
@@ -35,21 +35,21 @@ _WORDS = (
 class TinySpec:
     """Sizes of a tiny model. vLLM's CPU attention needs ``head_dim`` in {32, 64, ...}."""
 
-    arch: str = "qwen3"
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    vocab_size: int = 512
-    max_position_embeddings: int = 1024
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    """Std of the random weights; larger gives peakier next-token distributions (a random
-    model at 0.02 is near uniform, so every sampled token has p ~ 1/vocab)."""
-    seed: int = 0
+    arch: str = field(default="qwen3", metadata={"help": "model family", "choices": ARCHS})
+    hidden_size: int = field(default=128, metadata={"help": "hidden width"})
+    intermediate_size: int = field(default=384, metadata={"help": "SwiGLU width"})
+    num_hidden_layers: int = field(default=2, metadata={"help": "decoder layers"})
+    num_attention_heads: int = field(default=4, metadata={"help": "query heads"})
+    num_key_value_heads: int = field(default=2, metadata={"help": "key/value heads (a divisor of the query heads)"})
+    head_dim: int = field(default=32, metadata={"help": "per-head width (a multiple of 32: vLLM CPU attention)"})
+    vocab_size: int = field(default=512, metadata={"help": "vocabulary (>= 300; the tokenizer may have fewer tokens)"})
+    max_position_embeddings: int = field(default=1024, metadata={"help": "context length"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    tie_word_embeddings: bool = field(default=False, metadata={"help": "share the embedding and LM-head weights"})
+    initializer_range: float = field(default=0.02, metadata={
+        "help": "std of the random weights; larger gives peakier next-token distributions (a random model at "
+                "0.02 is near uniform, so every sampled token has p ~ 1/vocab)"})
+    seed: int = field(default=0, metadata={"help": "seed of the weights and the tokenizer's corpus"})
 
     def validate(self) -> None:
         """Refuse (:class:`~rpa.errors.InputError`, a ``ValueError``) a spec that would not build,
