@@ -44,11 +44,8 @@ def _numerics(args: argparse.Namespace):
     from rpa.numerics_config import NumericsConfig
 
     dose = None if args.sampler_mantissa_bits is None else {"mantissa_bits": args.sampler_mantissa_bits}
-    return NumericsConfig.from_dict({"regions": args.regions, "precision": args.precision,
-                                     "lm_head_fp32": args.lm_head_fp32, "trainer_mode": args.trainer_mode,
-                                     "device": args.device, "sampler_perturbation": dose,
-                                     "trainer_positions": args.trainer_positions,
-                                     "aligned_sides": args.aligned_sides})
+    return NumericsConfig.from_dict({"regions": args.regions, "sampler_perturbation": dose,
+                                     **{name: getattr(args, name) for name in NUMERICS_FLAGS}})
 
 
 def _probe_options(args: argparse.Namespace):
@@ -71,40 +68,26 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+NUMERICS_FLAGS = ("precision", "lm_head_fp32", "trainer_mode", "trainer_positions", "aligned_sides", "device")
+"""The NumericsConfig fields that are plain flags (regions and the perturbation have their own)."""
+
+
 def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
-    from rpa.numerics_config import ALIGNED_SIDES, PRECISIONS, TRAINER_MODES, TRAINER_POSITIONS
+    from rpa.fieldtypes import add_arguments
+    from rpa.numerics_config import NumericsConfig
 
     parser.add_argument("--regions", required=True, help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm")
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16",
-                        help="compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)")
-    parser.add_argument("--lm-head-fp32", action="store_true", help="LM head in FP32 on both sides (ScaleRL point)")
-    parser.add_argument("--trainer-mode", choices=TRAINER_MODES, default="compute",
-                        help="compute: parameters at the precision (FSDP-style, the study's baseline); "
-                             "autocast: FP32 parameters under torch.autocast (TRL default)")
-    parser.add_argument("--trainer-positions", choices=TRAINER_POSITIONS, default="auto",
-                        help="trainer RoPE positions without position_ids: mask (as vLLM counts), stock (HF: shifted "
-                             "by left padding), auto (mask when rope is aligned)")
-    parser.add_argument("--aligned-sides", choices=ALIGNED_SIDES, default="both",
-                        help="which side applies --regions (a one-sided control: trainer or sampler only)")
+    add_arguments(parser, NumericsConfig, names=NUMERICS_FLAGS)  # defaults, help and choices of the dataclass
     parser.add_argument("--sampler-mantissa-bits", type=int, metavar="K",
                         help="PERTURBATION (positive control, never the method): round the sampler's region "
                              "outputs to K of BF16's 7 mantissa bits; the trainer is untouched")
-    _add_device_arg(parser)
 
 
 def _add_device_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto",
-                        help="trainer-side device: auto (the device type vLLM runs on), cpu, cuda, cuda:N; "
-                             "both sides must be on one device type")
+    from rpa.fieldtypes import add_arguments
+    from rpa.numerics_config import NumericsConfig
 
-
-def _sequences(args: argparse.Namespace) -> list[list[int]]:
-    """Diagnose's token sequences (read once: the input check and the command share them)."""
-    if getattr(args, "_sequences", None) is None:
-        from rpa.diagnose import sequences_from
-
-        args._sequences = sequences_from(args.completions, args.model, args.sequences, args.seed)
-    return args._sequences
+    add_arguments(parser, NumericsConfig, names=("device",))
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:

@@ -93,7 +93,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser, cls: type) -> None:
+def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> None:
     """One ``--flag`` per field of the dataclass ``cls``, its default and help taken from the
     field (``metadata={"help": ...}``, and ``"choices"`` where the values are few): a bool is a
     ``--name``/``--no-name`` pair; a fixed-length tuple takes that many values. Values are checked when the dataclass is built from them."""
@@ -101,6 +101,8 @@ def add_arguments(parser, cls: type) -> None:
 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if names is not None and f.name not in names:
+            continue
         hint, help_text = hints[f.name], f.metadata.get("help", "")
         shown = f"{help_text} (default: {f.default})" if help_text else f"default: {f.default}"
         if hint is bool:  # --name / --no-name

@@ -47,19 +47,27 @@ class NumericsConfigError(UserError):
 @dataclass(frozen=True)
 class NumericsConfig:
     regions: frozenset[str] = field(default_factory=frozenset)
-    precision: str = "bf16"
-    lm_head_fp32: bool = False
-    trainer_mode: str = "compute"
-    device: str = "auto"
+    precision: str = field(default="bf16", metadata={
+        "help": "compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)", "choices": tuple(PRECISIONS)})
+    lm_head_fp32: bool = field(default=False, metadata={"help": "LM head in FP32 on both sides (ScaleRL point)"})
+    trainer_mode: str = field(default="compute", metadata={
+        "help": "compute: parameters at the precision (FSDP-style, the study's baseline); autocast: FP32 parameters "
+                "under torch.autocast (TRL default)", "choices": TRAINER_MODES})
+    device: str = field(default="auto", metadata={
+        "help": "trainer-side device: auto (the device type vLLM runs on), cpu, cuda, cuda:N; both sides must be "
+                "on one device type"})
     """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
     vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
     one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
-    trainer_positions: str = "auto"
+    trainer_positions: str = field(default="auto", metadata={
+        "help": "trainer RoPE positions without position_ids: mask (as vLLM counts), stock (HF: shifted by left "
+                "padding), auto (mask when rope is aligned)", "choices": TRAINER_POSITIONS})
     """RoPE positions of the trainer when a batch comes without ``position_ids`` (TRL's
     left-padded layout): ``mask`` (counted from each row's first real token, as vLLM counts),
     ``stock`` (HF's: shifted by the pad count), ``auto`` (``mask`` exactly when ``rope`` is
     aligned). Independent of the regions, so a RoPE arm can measure rounding alone."""
-    aligned_sides: str = "both"
+    aligned_sides: str = field(default="both", metadata={
+        "help": "which side applies --regions (a one-sided control: trainer or sampler only)", "choices": ALIGNED_SIDES})
     """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
     sampler_perturbation: tuple[tuple[str, int], ...] | None = None
     """The positive control's dose, on the sampler only (never part of the method):

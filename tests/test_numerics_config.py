@@ -131,3 +131,19 @@ def test_the_plugins_perturbation_setting_refuses_what_is_not_a_dose(spec):
 
     with pytest.raises(ValueError, match=f"{PERTURB_ENV}=.*expected 'mantissa_bits=K' with K in 1..6"):
         parse_perturbation(spec)
+
+
+def test_numerics_flags_are_the_dataclasss_fields():
+    """Each plain numerics flag of rpa probe/diagnose takes its default and choices from the
+    NumericsConfig field: the CLI with no numerics flag but --regions gives the dataclass default."""
+    import dataclasses
+
+    from rpa.cli import NUMERICS_FLAGS, _numerics, build_parser
+
+    args = build_parser().parse_args(["probe", "--model", "m", "--regions", "all", "--out", "o"])
+    assert _numerics(args) == NumericsConfig.from_dict({"regions": "all"})
+    fields = {f.name: f for f in dataclasses.fields(NumericsConfig)}
+    for name in NUMERICS_FLAGS:
+        assert getattr(args, name) == fields[name].default and fields[name].metadata["help"], name
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the field's choices
+        build_parser().parse_args(["probe", "--model", "m", "--regions", "all", "--out", "o", "--precision", "fp8"])
