@@ -76,7 +76,7 @@ def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     from rpa.fieldtypes import add_arguments
     from rpa.numerics_config import NumericsConfig
 
-    parser.add_argument("--regions", required=True, help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm")
+    parser.add_argument("--regions", help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm; required")
     add_arguments(parser, NumericsConfig, names=NUMERICS_FLAGS)  # defaults, help and choices of the dataclass
     parser.add_argument("--sampler-mantissa-bits", type=int, metavar="K",
                         help="PERTURBATION (positive control, never the method): round the sampler's region "
@@ -141,9 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_tiny)
 
     parity = sub.add_parser("parity", help="fail-closed bitwise check of region numerics, vLLM vs trainer")
-    parity.add_argument("--model", required=True, help="model directory (or hub id)")
-    parity.add_argument("--regions", required=True, help="'all' or a comma-separated subset of rope,swiglu,rmsnorm")
-    parity.add_argument("--out", required=True, help="JSON report path")
+    parity.add_argument("--model", help="model directory (or hub id); required")
+    parity.add_argument("--regions", help="'all' or a comma-separated subset of rope,swiglu,rmsnorm; required")
+    parity.add_argument("--out", help="JSON report path; required")
     parity.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
     parity.add_argument("--multiprocess", action="store_true", help="vLLM engine core in its own process")
     parity.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -152,18 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     parity.set_defaults(func=_cmd_parity)
 
     probe = sub.add_parser("probe", help="sample with vLLM, rescore with the trainer, write mismatch metrics")
-    probe.add_argument("--model", required=True, help="model directory (or hub id)")
+    probe.add_argument("--model", help="model directory (or hub id); required")
     _add_numerics_args(probe)
-    probe.add_argument("--out", required=True, help="output directory (summary.json, tokens.csv)")
+    probe.add_argument("--out", help="output directory (summary.json, tokens.csv); required")
     probe.add_argument("--completions", help="score these fixed completions (a completions.jsonl of another "
                                              "probe run) instead of sampling")
     add_arguments(probe, ProbeOptions)  # one flag per field, default and help from the dataclass
     probe.set_defaults(func=_cmd_probe)
 
     diag = sub.add_parser("diagnose", help="per-layer, per-region-boundary hidden-state divergence, vLLM vs trainer")
-    diag.add_argument("--model", required=True, help="model directory (or hub id)")
+    diag.add_argument("--model", help="model directory (or hub id); required")
     _add_numerics_args(diag)
-    diag.add_argument("--out", required=True, help="output directory (layers.csv, summary.json)")
+    diag.add_argument("--out", help="output directory (layers.csv, summary.json); required")
     diag.add_argument("--completions", help="take token sequences (prompt + completion) from a probe's completions.jsonl")
     diag.add_argument("--sequences", type=int, default=4, help="number of sequences")
     diag.add_argument("--seed", type=int, default=0)
@@ -179,7 +179,45 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", required=True, help="run config YAML (model, task, warm_start, seed)")
     warm.add_argument("--out", required=True, help="output model directory")
     warm.set_defaults(func=_cmd_warm_start)
+    parser.job_parsers = {"parity": parity, "probe": probe, "diagnose": diag}  # they take --config too
+    for job in parser.job_parsers.values():
+        job.add_argument("--config", help="a YAML mapping of this command's options, one job in one file (keys: the "
+                                          "flags' names with _ for -); flags given here override it")
     return parser
+
+
+JOB_REQUIRED = ("model", "regions", "out")
+
+
+def _with_job_config(parser: argparse.ArgumentParser, argv: list[str] | None,
+                     args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the command's ``--config`` file as the defaults under the flags given, and
+    the options every job needs present (from either)."""
+    from rpa.errors import InputError
+
+    job = parser.job_parsers.get(args.command)
+    if job is None:
+        return args
+    if args.config:
+        import yaml
+
+        try:
+            values = yaml.safe_load(open(args.config))
+        except (OSError, yaml.YAMLError) as err:
+            raise InputError(f"--config {args.config}: {err}") from None
+        if not isinstance(values, dict):
+            raise InputError(f"--config {args.config}: expected a mapping of options")
+        known = {a.dest for a in job._actions if a.dest not in ("help", "config")}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InputError(f"--config {args.config}: unknown option(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(sorted(known))}")
+        job.set_defaults(**values)
+        args = parser.parse_args(argv)
+    missing = [k for k in JOB_REQUIRED if hasattr(args, k) and getattr(args, k) is None]
+    if missing:
+        raise InputError(f"{', '.join('--' + k for k in missing)} required (as flags or in --config)")
+    return args
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
@@ -243,8 +281,10 @@ def _check_inputs(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     from rpa.errors import UserError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        args = _with_job_config(parser, argv, args)
         _check_inputs(args)
         return args.func(args)
     except UserError as err:

@@ -237,3 +237,35 @@ def test_a_checkpoint_with_a_torn_trainer_state_is_not_resumed_from(tmp_path):
         (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
     (tmp_path / "checkpoint-6").mkdir()  # killed before its state was written at all
     assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+# ---------------------------------------------------------------- one job, one file
+
+def test_a_job_config_file_gives_the_options_and_flags_override_it(tmp_path):
+    from rpa.cli import _numerics, _probe_options, _with_job_config, build_parser
+
+    job = tmp_path / "probe.yaml"
+    job.write_text(yaml.safe_dump({"model": "m", "regions": "rope", "out": "o", "prompts": 5,
+                                   "ratio_band": [0.5, 2.0], "precision": "bf16", "compiled": True}))
+    argv = ["probe", "--config", str(job), "--prompts", "9"]
+    parser = build_parser()
+    args = _with_job_config(parser, argv, parser.parse_args(argv))
+    options = _probe_options(args)
+    assert (args.model, args.out, options.prompts, options.ratio_band, options.compiled) == ("m", "o", 9, (0.5, 2.0),
+                                                                                              True)
+    assert _numerics(args).regions == frozenset({"rope"})
+
+
+@pytest.mark.parametrize("content,needle", [
+    ({"model": "m", "regions": "all", "out": "o", "promts": 5}, "unknown option(s) promts"),
+    ({"regions": "all", "out": "o"}, "--model required (as flags or in --config)"),
+    (["not", "a", "mapping"], "expected a mapping of options"),
+])
+def test_bad_job_config_files(capsys, tmp_path, content, needle):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(content))
+    refused(capsys, ["probe", "--config", job], needle)
+
+
+def test_a_job_needs_its_model_regions_and_out(capsys, tmp_path):
+    refused(capsys, ["probe", "--regions", "all", "--out", tmp_path / "o"], "--model required", absent=tmp_path / "o")
