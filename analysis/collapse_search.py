@@ -267,8 +267,11 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
                     axs[row, j].set_yscale("log")
         axs[0, j].set(title=str(panel) if panel is not None else "", ylabel="reward (mean, band: min-max over seeds)")
         axs[1, j].set(xlabel="step", ylabel="mean |dlogp|")
-    handles, labels = axs[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8)
+    legend = {}  # from every panel: the first may have no runs yet
+    for ax in axs[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(arms), fontsize=8)
     fig.suptitle(f"{manifest['label']}: {manifest['stage']}")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     with atomic_path(path) as tmp:
