@@ -128,6 +128,7 @@ def _cmd_warm_start(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rpa.diagnose import DiagnoseOptions
     from rpa.fieldtypes import add_arguments
     from rpa.probe import ProbeOptions
     from rpa.tiny import TinySpec
@@ -165,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_numerics_args(diag)
     diag.add_argument("--out", help="output directory (layers.csv, summary.json); required")
     diag.add_argument("--completions", help="take token sequences (prompt + completion) from a probe's completions.jsonl")
-    diag.add_argument("--sequences", type=int, default=4, help="number of sequences")
-    diag.add_argument("--seed", type=int, default=0)
+    add_arguments(diag, DiagnoseOptions)
     diag.set_defaults(func=_cmd_diagnose)
 
     train = sub.add_parser("train", help="GRPO run (TRL + colocated vLLM) with one numerics configuration")
@@ -255,8 +255,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
         raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
     if args.command == "probe":
         _probe_options(args)  # ranges of the probe's options
-    if args.command == "diagnose" and args.sequences < 1:
-        raise InputError(f"--sequences must be >= 1, got {args.sequences}")
+    if args.command == "diagnose":
+        from rpa.diagnose import DiagnoseOptions
+        from rpa.fieldtypes import from_args
+
+        from_args(DiagnoseOptions, args)  # ranges of diagnose's options
     numerics.check_device()
     config = check_model(args.model)
     completions = getattr(args, "completions", None)

@@ -29,14 +29,30 @@ from __future__ import annotations
 import csv
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from rpa.errors import InputError
 from rpa.jsonfiles import atomic_path, write_json
 from rpa.numerics_config import NumericsConfig
 from rpa.runlog import log
 
 SCHEMA = "rpa.diagnose/1"
+
+
+@dataclass(frozen=True)
+class DiagnoseOptions:
+    """``rpa diagnose``'s options (its flags are generated from these fields)."""
+
+    sequences: int = field(default=4, metadata={
+        "help": "token sequences compared (from --completions, else the probe's default prompts)"})
+    seed: int = field(default=0, metadata={"help": "seed of the default prompts and of vLLM"})
+
+    def __post_init__(self) -> None:
+        if self.sequences < 1:
+            raise InputError(f"--sequences must be >= 1, got {self.sequences}")
+
 BOUNDARIES: tuple[str, ...] = ("attn_in", "attn_out", "mid_stream", "mlp_in", "swiglu_out", "mlp_out", "layer_out")
 FINAL = "final_norm"
 LAYER_COLUMNS = ("layer", "boundary", "step", "elements", "max_abs_diff", "mean_abs_diff", "rel_mean_abs_diff",

@@ -154,7 +154,7 @@ def test_probe_options_have_one_owner_from_config_to_flags_and_back():
         check_config(config)
 
 
-def test_the_schemas_probe_defaults_are_the_dataclasses():
+def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
     import dataclasses
 
     from rpa.probe import ProbeOptions
@@ -166,3 +166,6 @@ def test_the_schemas_probe_defaults_are_the_dataclasses():
             default = props[f.name]["default"]
             assert (tuple(default) if isinstance(default, list) else default) == f.default, f.name
     assert {"prompts", "samples", "max_tokens", "seed", "compiled", "full_kl_max_vocab", "ratio_band"} <= set(props)
+    from rpa.diagnose import DiagnoseOptions
+
+    assert schema["properties"]["diagnose"]["properties"]["sequences"]["default"] == DiagnoseOptions().sequences
