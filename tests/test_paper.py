@@ -197,6 +197,9 @@ def test_the_search_section_comes_from_the_committed_search(tmp_path):
     grid = committed / "tables/search_grid.json"
     if grid.exists():
         assert json.loads(grid.read_text())["decision"]["statement"][:40].split("(")[0] in text.replace("\\", "")
+        finished = [g for g in json.loads(grid.read_text())["groups"] if g["finished"]]
+        if finished:  # what has run is shown, per group, even before the verdict
+            assert "tab:searchgrid" in text and text.count("\\\\\n") >= len(finished), text
     else:
         assert "The grid has not run yet" in text
     assert search_section(None, tmp_path) is None and not path.exists()  # no search: no section, none left over
