@@ -90,6 +90,15 @@ def _add_device_arg(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, NumericsConfig, names=("device",))
 
 
+def _sequences(args: argparse.Namespace) -> list[list[int]]:
+    """Diagnose's token sequences (read once: the input check and the command share them)."""
+    if getattr(args, "_sequences", None) is None:
+        from rpa.diagnose import sequences_from
+
+        args._sequences = sequences_from(args.completions, args.model, args.sequences, args.seed)
+    return args._sequences
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from rpa.diagnose import format_table, read_layers, run_diagnose
 

@@ -269,3 +269,21 @@ def test_bad_job_config_files(capsys, tmp_path, content, needle):
 
 def test_a_job_needs_its_model_regions_and_out(capsys, tmp_path):
     refused(capsys, ["probe", "--regions", "all", "--out", tmp_path / "o"], "--model required", absent=tmp_path / "o")
+
+
+def test_diagnose_rerun_with_other_options_is_refused(capsys, model, tmp_path):
+    """The in-process path rpa diagnose takes before its engine starts: its sequences are read
+    (here from a completions file) and the output directory's recorded options compared."""
+    from rpa.diagnose import recorded_options
+    from rpa.numerics_config import NumericsConfig
+    from rpa.outdir import claim
+    from rpa.regions import parse_regions
+
+    completions = tmp_path / "c.jsonl"
+    completions.write_text("".join(json.dumps({"seq": i, "prompt_ids": [3, 4], "completion_ids": [5 + i]}) + "\n"
+                                   for i in range(3)))
+    out = tmp_path / "diag"
+    claim(out, "diagnose", recorded_options(str(model), NumericsConfig(regions=parse_regions("all")),
+                                            [[3, 4, 5], [3, 4, 6]], 0))
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", out, "--completions", completions,
+                     "--sequences", "3"], "made with other options (sequences: 2 -> 3")
