@@ -262,8 +262,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
                 if args.command == "parity" else _numerics(args))
     if args.command == "parity" and not numerics.regions:
         raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
-    if args.command == "probe":
-        _probe_options(args)  # ranges of the probe's options
+    options = _probe_options(args) if args.command == "probe" else None  # ranges of the probe's options
     if args.command == "diagnose":
         from rpa.diagnose import DiagnoseOptions
         from rpa.fieldtypes import from_args
@@ -283,7 +282,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
     if args.command == "probe":
         from rpa.probe import recorded_options
 
-        check_options(args.out, "probe", recorded_options(args.model, numerics, _probe_options(args), completions))
+        check_options(args.out, "probe", recorded_options(args.model, numerics, options, completions))
     elif args.command == "diagnose":
         from rpa.diagnose import recorded_options
 

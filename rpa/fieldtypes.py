@@ -95,8 +95,9 @@ def _flag(name: str) -> str:
 
 def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> None:
     """One ``--flag`` per field of the dataclass ``cls``, its default and help taken from the
-    field (``metadata={"help": ...}``, and ``"choices"`` where the values are few): a bool is a
-    ``--name``/``--no-name`` pair; a fixed-length tuple takes that many values. Values are checked when the dataclass is built from them."""
+    field (``metadata={"help": ...}``, and ``"choices"`` / ``"metavar"`` where given): a bool is a
+    ``--name``/``--no-name`` pair; a fixed-length tuple takes that many values. Values are
+    checked when the dataclass is built from them."""
     import argparse
 
     hints = typing.get_type_hints(cls)
@@ -111,7 +112,7 @@ def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> No
         elif typing.get_origin(hint) is tuple:
             args = typing.get_args(hint)
             parser.add_argument(_flag(f.name), type=args[0], nargs=len(args), default=f.default, help=shown,
-                                metavar=tuple(a.upper() for a in ("lo", "hi")) if len(args) == 2 else None)
+                                metavar=f.metadata.get("metavar"))
         else:
             parser.add_argument(_flag(f.name), type=hint, default=f.default, help=shown,
                                 choices=f.metadata.get("choices"))

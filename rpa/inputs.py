@@ -28,11 +28,11 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-def check_model(spec: str, weights: bool = True) -> Any:
+def check_model(spec: str) -> Any:
     """A model directory with a ``config.json`` (or a hub id) whose architecture the
     aligned regions support (:func:`rpa.trainer.check_config`); a local directory also needs
-    its weights (whole, by their headers) and a tokenizer (:func:`check_checkpoint`) unless
-    ``weights`` is False. Returns the model's config."""
+    its weights (whole, by their headers) and a tokenizer (:func:`check_checkpoint`). Returns
+    the model's config."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -59,7 +59,7 @@ def check_model(spec: str, weights: bool = True) -> Any:
         check_config(config)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"model {spec}: {err}") from None
-    if weights and path.is_dir():
+    if path.is_dir():
         check_checkpoint(path, spec)
     return config
 

@@ -55,7 +55,7 @@ def check_options(out: str | Path, command: str, options: dict[str, Any]) -> Non
     try:
         recorded = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return  # torn by a kill before it was whole (writes are atomic): claim it again
+        return  # not a record this module wrote (its writes are atomic): claim the directory anew
     diff = differing_keys(recorded.get("options", {}), options) if recorded.get("command") == command else \
         [f"command: {recorded.get('command')!r} -> {command!r}"]
     if diff:

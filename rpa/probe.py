@@ -72,7 +72,8 @@ class ProbeOptions:
     seed: int = field(default=0, metadata={"help": "seed of the prompts and of vLLM's sampling"})
     full_kl_max_vocab: int = field(default=4096, metadata={"help": "compute full_kl only for vocabularies up to this size"})
     ratio_band: tuple[float, float] = field(default=RATIO_BAND, metadata={
-        "help": "the band of pi/mu ratios counted as inside (frac_ratio_outside)"})
+        "help": "the band of pi/mu ratios counted as inside (frac_ratio_outside)",
+        "metavar": ("LO", "HI")})
     compiled: bool = field(default=False, metadata={"help": "run vLLM compiled (default: eager)"})
     max_model_len: int = field(default=1024, metadata={"help": "vLLM's context length"})
 
