@@ -62,7 +62,9 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
         run = results / "search" / c["cell"]
         row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": "missing"}
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-        metrics = read_jsonl(run / "metrics.jsonl")  # a torn last line (killed run) dropped
+        # only a run that ended (with a summary) counts: a killed or running run's partial log would make
+        # a "missing" row carry numbers that the exported reference results cannot reproduce
+        metrics = read_jsonl(run / "metrics.jsonl") if summary is not None else []
         if summary is not None:
             row.update(state="failed" if summary.get("status") == "error" else "finished",
                        status=summary.get("status"), wall_s=summary.get("wall_s"))

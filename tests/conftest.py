@@ -16,10 +16,10 @@ SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test gets one kind: ``engine`` as marked in its file, else ``cli`` when its body
+    """Every test gets one kind: ``engine`` or ``cli`` as marked, else ``cli`` when its body
     starts a process, else ``unit``; ``make test-fast`` runs ``not engine``."""
     for item in items:
-        if item.get_closest_marker("engine"):
+        if item.get_closest_marker("engine") or item.get_closest_marker("cli"):
             continue
         try:
             source = inspect.getsource(item.function)

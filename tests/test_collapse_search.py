@@ -4,6 +4,7 @@ rule and exact intervals, computed from run directories written here."""
 import copy
 import json
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -173,6 +174,10 @@ def test_an_incomplete_grid_gets_no_verdict(tmp_path):
     runs, _ = load_runs(tmp_path, manifest)
     d = decision(runs, RULE)
     assert d["outcome"] == "incomplete" and "15 of 16 runs finished" in d["statement"]
+    # the unfinished run's partial log (still on disk) gives its row no numbers: the exported
+    # reference, which holds finished runs only, must regenerate the same table
+    row = runs.set_index("cell").loc[manifest["cells"][0]["cell"]]
+    assert row["state"] == "missing" and pd.isna(row["step1_mismatch"]) and pd.isna(row["step1_entropy"])
 
 
 @pytest.mark.parametrize("stage", ["pilot", "grid"])
@@ -186,6 +191,9 @@ def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
         pytest.skip(f"no committed {stage} results")
     shutil.copytree(committed / "search", tmp_path / "search")
     assert main(["--results", str(tmp_path), "--stage", stage, "--figure", str(tmp_path / "f.png")]) == 0
+    for ext in ("csv", "md", "json"):  # byte for byte
+        assert (tmp_path / f"tables/search_{stage}.{ext}").read_bytes() == \
+            (committed / f"tables/search_{stage}.{ext}").read_bytes(), ext
     got = json.loads((tmp_path / f"tables/search_{stage}.json").read_text())
     want = json.loads((committed / f"tables/search_{stage}.json").read_text())
     if stage == "pilot":
@@ -215,3 +223,21 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
               if len(line.split()) == 2 and line.split()[1].isdigit()}
     grid = [p for p in search_points(CONFIG, "grid")]
     assert counts["search_train"] == len(grid) - len(finished)
+
+
+@pytest.mark.cli  # the checker runs each analysis in a process of its own
+def test_check_reference_finds_a_table_that_its_raw_runs_do_not_give(tmp_path, capsys):
+    """``analysis.check_reference`` passes on the committed search results and names a table that was
+    changed by hand (the control: a check that cannot fail would pass it too)."""
+    import shutil
+
+    from analysis import check_reference
+
+    ref = tmp_path / "reference"
+    shutil.copytree(REPO / "results/reference/collapse-cpu", ref / "collapse-cpu")
+    assert check_reference.main(["--only", "collapse-cpu", "--reference", str(ref)]) == 0
+    assert "0 differ" in capsys.readouterr().out
+    table = ref / "collapse-cpu/tables/search_pilot.csv"
+    table.write_text(table.read_text().replace("deep16", "deep61", 1))
+    assert check_reference.main(["--only", "collapse-cpu", "--reference", str(ref)]) == 1
+    assert "differs: collapse-cpu/tables/search_pilot.csv" in capsys.readouterr().out
