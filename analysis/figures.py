@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from rpa.jsonfiles import atomic_path  # noqa: E402
+from rpa.core.jsonfiles import atomic_path  # noqa: E402
 
 
 def save_grid(grid, path: Path, title: str | None = None) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from rpa.pipeline import deep_merge, study_arms, study_resources
+from rpa.workflow.pipeline import deep_merge, study_arms, study_resources
 
 
 def budget(config: dict) -> list[dict]:

@@ -1,7 +1,7 @@
 """The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper``.
 
 Writes ``claims.tex`` (the study's label, the commit the runs came from, the collapse rule as
-the runs were judged by it -- written by :func:`rpa.collapse.rule_text` from the thresholds in
+the runs were judged by it -- written by :func:`rpa.train.collapse.rule_text` from the thresholds in
 the runs' ``config.json``, one paragraph per distinct set of thresholds -- and, computed from
 the result tables, which claims of the study reproduced at this scale) and, where the
 positive control ran (in ``R`` or in ``--dose-results``: the dose grid and the study may live
@@ -23,8 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.latex import booktabs, escape
-from rpa.collapse import CollapseThresholds, rule_text
-from rpa.jsonfiles import write_text
+from rpa.train.collapse import CollapseThresholds, rule_text
+from rpa.core.jsonfiles import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "

@@ -3,7 +3,7 @@ and a collapse heatmap, from ``RESULTS/study/manifest.json`` and the run directo
 
 Every expected cell appears: a run without a summary is ``missing``, one that ended in an
 error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
-``metrics.jsonl`` with the thresholds of its config (:func:`rpa.collapse.run_verdict`).
+``metrics.jsonl`` with the thresholds of its config (:func:`rpa.train.collapse.run_verdict`).
 
 Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
 
@@ -13,7 +13,7 @@ Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
   collapse step, peak and final (smoothed) reward, final eval accuracy (mean +- sd over seeds).
   The LaTeX version leaves out failed/missing/peak reward to fit a page's width.
 * ``study_sensitivity``: per model x arm, the collapsed count (and unconfirmed count) under
-  each variation of :func:`rpa.collapse.sensitivity_settings` (drop fraction 0.4 / 0.5 / 0.6;
+  each variation of :func:`rpa.train.collapse.sensitivity_settings` (drop fraction 0.4 / 0.5 / 0.6;
   half and twice the persistence window).
 * ``study_mismatch``: per model x arm: the offline probe's ``mean_abs_dlogp`` and ``kl_k3``
   on identical tokens (where a probe configuration has the arm's name) with the change vs
@@ -52,8 +52,8 @@ import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from rpa.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
-from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from rpa.train.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 
 def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -148,7 +148,7 @@ def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def sensitivity_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
-    """Per model x arm and per variation of :func:`rpa.collapse.sensitivity_settings`: the
+    """Per model x arm and per variation of :func:`rpa.train.collapse.sensitivity_settings`: the
     number of finished runs collapsed (``<label> collapsed``) and unconfirmed
     (``<label> unconfirmed``) under it."""
     labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]

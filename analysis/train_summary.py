@@ -20,8 +20,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
-from rpa.collapse import CollapseThresholds, run_verdict  # noqa: E402
-from rpa.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from rpa.train.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
                "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status",

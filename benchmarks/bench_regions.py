@@ -7,11 +7,11 @@ nothing.
         --batch 8 --seq 1024 --device cuda --json bench.json
 
 Region functions, per region: ``stock`` (transformers' BF16 code), ``reference`` (eager
-:mod:`rpa.numerics`), ``op`` (the shared :mod:`rpa.ops` custom op: Triton kernels on CUDA,
+:mod:`rpa.core.numerics`), ``op`` (the shared :mod:`rpa.core.ops` custom op: Triton kernels on CUDA,
 the reference on CPU), forward and forward+backward.
 
 Steps: forward + backward of a random-weight model of the shape (FP32 master weights,
-BF16 compute through :func:`rpa.trainer.align_model`, gradient checkpointing), median of
+BF16 compute through :func:`rpa.sides.trainer.align_model`, gradient checkpointing), median of
 ``--repeat`` steps after a warm-up, with ``none``, each region, ``all``, and ``autocast``
 (no regions, FP32 parameters under ``torch.autocast``: TRL's default). On CPU use
 ``--shapes tiny`` (a smoke run that shows the path works).
@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rpa import numerics, ops
+from rpa.core import numerics, ops
 
 SHAPES = {  # dense configs: arch, hidden, intermediate, layers, heads, kv heads, head_dim, vocab
     "tiny": dict(arch="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -134,7 +134,7 @@ def build_model(shape: dict, device: str):
 
 
 def bench_steps(shape: dict, batch: int, seq: int, device: str, settings: list[str], repeat: int) -> list[dict]:
-    from rpa.trainer import align_model
+    from rpa.sides.trainer import align_model
 
     model = build_model(shape, device)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=device)

@@ -26,7 +26,7 @@ def measure(model: str, regions: str, prompts: int, prompt_len: int, decode_toke
 
     from vllm import SamplingParams
 
-    from rpa.engine import make_llm
+    from rpa.sides.engine import make_llm
 
     llm = make_llm(model, regions, enforce_eager=eager, seed=0, max_model_len=prompt_len + decode_tokens + 8,
                    enable_prefix_caching=False)

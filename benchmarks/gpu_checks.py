@@ -6,12 +6,12 @@ the CUDA tests (``pytest tests/test_kernels.py``) hold the pass/fail versions.
 
 Sections:
 ``kernels``      each Triton kernel, IEEE and plain-operator variants, vs the FP64 single
-                 rounding and vs eager :mod:`rpa.numerics` on the same device, with timings;
+                 rounding and vs eager :mod:`rpa.core.numerics` on the same device, with timings;
 ``rope_table``   the RoPE table built on CPU vs on CUDA (the difference the shared table
                  avoids) and the trainer's table on a CUDA model vs the plugin's build;
 ``bf16_copy``    FP32-master (BF16 compute) vs BF16 copy logits on CUDA, left padding;
 ``compile``      ``torch.compile(fullgraph=True)`` of an aligned model vs eager, stock as control;
-``scoring``      peak memory of :func:`rpa.scoring.token_logps_and_entropy` (micro-batches +
+``scoring``      peak memory of :func:`rpa.measure.scoring.token_logps_and_entropy` (micro-batches +
                  chunked log-softmax) at a 7B shape vs the full-logits tensor.
 ``--small`` shrinks every shape (a CPU dry run of the script itself).
 """
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_regions import SHAPES, build_model  # noqa: E402
-from rpa import numerics, ops  # noqa: E402
+from rpa.core import numerics, ops  # noqa: E402
 from tests import kernel_checks as kc  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def _time_ms(fn) -> float:
 
 
 def check_kernels(small: bool) -> dict:
-    from rpa.kernels import triton_regions as k
+    from rpa.core.kernels import triton_regions as k
 
     dev = _device()
     shape = dict(rows=64, hidden=128, inter=256, heads=4, head_dim=32) if small else \
@@ -81,7 +81,7 @@ def check_kernels(small: bool) -> dict:
 
 
 def check_rope_table(small: bool) -> dict:
-    from rpa.trainer import align_model, rope_table
+    from rpa.sides.trainer import align_model, rope_table
 
     dev = _device()
     inv_cpu = numerics.rope_inv_freq(1e6, 128, device="cpu")
@@ -131,7 +131,7 @@ def _batch(vocab: int, small: bool):
 
 
 def check_bf16_copy(small: bool) -> dict:
-    from rpa.trainer import align_model
+    from rpa.sides.trainer import align_model
 
     out = {}
     for arch in ("qwen2", "qwen3"):
@@ -146,7 +146,7 @@ def check_bf16_copy(small: bool) -> dict:
 
 
 def check_compile(small: bool) -> dict:
-    from rpa.trainer import align_model
+    from rpa.sides.trainer import align_model
 
     out = {}
     for arch in ("qwen3",):  # Qwen3-0.6B widths, 4 layers (the shape issue 10 measured)
@@ -170,8 +170,8 @@ def check_compile(small: bool) -> dict:
 
 
 def check_scoring(small: bool) -> dict:
-    from rpa.scoring import token_logps_and_entropy
-    from rpa.trainer import align_model
+    from rpa.measure.scoring import token_logps_and_entropy
+    from rpa.sides.trainer import align_model
 
     dev = _device()
     shape = dict(SHAPES["tiny"], vocab_size=151936, hidden_size=64, intermediate_size=128) if small else \

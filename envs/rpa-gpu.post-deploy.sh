@@ -3,4 +3,4 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python -m pip install -r "$repo/requirements/gpu.txt"
 python -m pip install --no-deps -e "$repo"
-python -m rpa.doctor
+python -m rpa.workflow.doctor

@@ -7,8 +7,8 @@ import sys
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from rpa.fieldtypes import from_args
-    from rpa.tiny import TinySpec, build_tiny
+    from rpa.core.fieldtypes import from_args
+    from rpa.sides.tiny import TinySpec, build_tiny
 
     spec = from_args(TinySpec, args)
     out = build_tiny(args.out, spec)
@@ -17,8 +17,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
-    from rpa.numerics_config import NumericsConfig
-    from rpa.parity import run_parity
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.measure.parity import run_parity
 
     numerics = NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
     report = run_parity(args.model, numerics, args.out, compiled=args.compiled,
@@ -41,7 +41,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 
 
 def _numerics(args: argparse.Namespace):
-    from rpa.numerics_config import NumericsConfig
+    from rpa.core.numerics_config import NumericsConfig
 
     dose = None if args.sampler_mantissa_bits is None else {"mantissa_bits": args.sampler_mantissa_bits}
     return NumericsConfig.from_dict({"regions": args.regions, "sampler_perturbation": dose,
@@ -49,14 +49,14 @@ def _numerics(args: argparse.Namespace):
 
 
 def _probe_options(args: argparse.Namespace):
-    from rpa.fieldtypes import from_args
-    from rpa.probe import ProbeOptions
+    from rpa.core.fieldtypes import from_args
+    from rpa.measure.probe import ProbeOptions
 
     return from_args(ProbeOptions, args)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from rpa.probe import run_probe
+    from rpa.measure.probe import run_probe
 
     s = run_probe(args.model, _numerics(args), args.out, _probe_options(args), completions_path=args.completions)
     bv = s["trainer_batch_variance"]["batch_vs_single"]
@@ -73,8 +73,8 @@ NUMERICS_FLAGS = ("precision", "lm_head_fp32", "trainer_mode", "trainer_position
 
 
 def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
-    from rpa.fieldtypes import add_arguments
-    from rpa.numerics_config import NumericsConfig
+    from rpa.core.fieldtypes import add_arguments
+    from rpa.core.numerics_config import NumericsConfig
 
     parser.add_argument("--regions", help="'none', 'all' or a comma-separated subset of rope,swiglu,rmsnorm; required")
     add_arguments(parser, NumericsConfig, names=NUMERICS_FLAGS)  # defaults, help and choices of the dataclass
@@ -84,8 +84,8 @@ def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_device_arg(parser: argparse.ArgumentParser) -> None:
-    from rpa.fieldtypes import add_arguments
-    from rpa.numerics_config import NumericsConfig
+    from rpa.core.fieldtypes import add_arguments
+    from rpa.core.numerics_config import NumericsConfig
 
     add_arguments(parser, NumericsConfig, names=("device",))
 
@@ -93,14 +93,14 @@ def _add_device_arg(parser: argparse.ArgumentParser) -> None:
 def _sequences(args: argparse.Namespace) -> list[list[int]]:
     """Diagnose's token sequences (read once: the input check and the command share them)."""
     if getattr(args, "_sequences", None) is None:
-        from rpa.diagnose import sequences_from
+        from rpa.measure.diagnose import sequences_from
 
         args._sequences = sequences_from(args.completions, args.model, args.sequences, args.seed)
     return args._sequences
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from rpa.diagnose import format_table, read_layers, run_diagnose
+    from rpa.measure.diagnose import format_table, read_layers, run_diagnose
 
     s = run_diagnose(args.model, _numerics(args), args.out, _sequences(args), seed=args.seed)
     print(format_table(read_layers(f"{args.out}/layers.csv")))
@@ -111,8 +111,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rpa.grpo import run_train
-    from rpa.train_config import TrainConfig
+    from rpa.train.grpo import run_train
+    from rpa.train.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
     s = run_train(cfg, args.out)
@@ -125,8 +125,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_warm_start(args: argparse.Namespace) -> int:
-    from rpa.grpo import run_warm_start
-    from rpa.train_config import TrainConfig
+    from rpa.train.grpo import run_warm_start
+    from rpa.train.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
     info = run_warm_start(cfg, args.out)
@@ -137,10 +137,10 @@ def _cmd_warm_start(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rpa.diagnose import DiagnoseOptions
-    from rpa.fieldtypes import add_arguments
-    from rpa.probe import ProbeOptions
-    from rpa.tiny import TinySpec
+    from rpa.measure.diagnose import DiagnoseOptions
+    from rpa.core.fieldtypes import add_arguments
+    from rpa.measure.probe import ProbeOptions
+    from rpa.sides.tiny import TinySpec
 
     parser = argparse.ArgumentParser(prog="rpa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,7 +202,7 @@ def _with_job_config(parser: argparse.ArgumentParser, argv: list[str] | None,
                      args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the command's ``--config`` file as the defaults under the flags given, and
     the options every job needs present (from either)."""
-    from rpa.errors import InputError
+    from rpa.core.errors import InputError
 
     job = parser.job_parsers.get(args.command)
     if job is None:
@@ -234,18 +234,18 @@ def _check_inputs(args: argparse.Namespace) -> None:
     option ranges, the model checkpoint (config, architecture, whole weights, tokenizer), input
     files (and their token ids against the model's vocabulary), the output path, and a run
     config with its context length against the model's. Each failure is one line, exit 2."""
-    from rpa.errors import InputError
-    from rpa.inputs import check_model, check_output, check_token_ids
+    from rpa.core.errors import InputError
+    from rpa.measure.inputs import check_model, check_output, check_token_ids
 
     if args.command == "tiny":
-        from rpa.fieldtypes import from_args
-        from rpa.tiny import TinySpec
+        from rpa.core.fieldtypes import from_args
+        from rpa.sides.tiny import TinySpec
 
         from_args(TinySpec, args).validate()
         check_output(args.out, "dir")
         return
     if args.command in ("train", "warm-start"):
-        from rpa.train_config import TrainConfig
+        from rpa.train.config import TrainConfig
 
         cfg = TrainConfig.from_yaml(args.config)
         config = check_model(cfg.model)
@@ -256,7 +256,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
                              f"{context} exceeds the model's max_position_embeddings ({limit})")
         check_output(args.out, "dir", inputs=(cfg.model, args.config))
         return
-    from rpa.numerics_config import NumericsConfig
+    from rpa.core.numerics_config import NumericsConfig
 
     numerics = (NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
                 if args.command == "parity" else _numerics(args))
@@ -264,33 +264,33 @@ def _check_inputs(args: argparse.Namespace) -> None:
         raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
     options = _probe_options(args) if args.command == "probe" else None  # ranges of the probe's options
     if args.command == "diagnose":
-        from rpa.diagnose import DiagnoseOptions
-        from rpa.fieldtypes import from_args
+        from rpa.measure.diagnose import DiagnoseOptions
+        from rpa.core.fieldtypes import from_args
 
         from_args(DiagnoseOptions, args)  # ranges of diagnose's options
     numerics.check_device()
     config = check_model(args.model)
     completions = getattr(args, "completions", None)
     if completions:
-        from rpa.scoring import load_completions
+        from rpa.measure.scoring import load_completions
 
         check_token_ids(load_completions(completions), int(config.vocab_size), completions)
     check_output(args.out, "file" if args.command == "parity" else "dir",
                  inputs=tuple(x for x in (args.model, completions) if x))
-    from rpa.outdir import check_options
+    from rpa.core.outdir import check_options
 
     if args.command == "probe":
-        from rpa.probe import recorded_options
+        from rpa.measure.probe import recorded_options
 
         check_options(args.out, "probe", recorded_options(args.model, numerics, options, completions))
     elif args.command == "diagnose":
-        from rpa.diagnose import recorded_options
+        from rpa.measure.diagnose import recorded_options
 
         check_options(args.out, "diagnose", recorded_options(args.model, numerics, _sequences(args), args.seed))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rpa.errors import UserError
+    from rpa.core.errors import UserError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -2,8 +2,9 @@
 
 import re
 
-from rpa.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, probe_flags, search_points,
-                          study_arm_names, study_init_config, study_points, study_resources, tiny_flags, train_points)
+from rpa.workflow.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, probe_flags,
+                                   search_points, study_arm_names, study_init_config, study_points, study_resources,
+                                   tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -63,8 +64,8 @@ def start_input(wildcards):
 
 
 def gpu_launch(count):
-    """Prefix giving a job its own GPUs on a workstation (rpa.gpus); nothing on CPU."""
-    return f"python -m rpa.gpus --count {count} -- " if count else ""
+    """Prefix giving a job its own GPUs on a workstation (rpa.workflow.gpus); nothing on CPU."""
+    return f"python -m rpa.workflow.gpus --count {count} -- " if count else ""
 
 
 def probe_summaries(wildcards=None):

@@ -3,7 +3,7 @@
 
 
 def probe_options():
-    return probe_flags(config)  # rpa.pipeline: the flags ProbeOptions reads back
+    return probe_flags(config)  # rpa.workflow.pipeline: the flags ProbeOptions reads back
 
 
 def probe_completions(wildcards):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rpa.tiny import TinySpec, build_tiny
+from rpa.sides.tiny import TinySpec, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 

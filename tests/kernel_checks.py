@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rpa import numerics
+from rpa.core import numerics
 
 
 def round_bf16_exact(x64: Tensor) -> Tensor:
@@ -95,8 +95,8 @@ def references64(t: dict[str, Tensor], eps: float = 1e-6) -> dict[str, Tensor]:
 
 
 def forward_outputs(mod, t: dict[str, Tensor], eps: float = 1e-6) -> dict[str, Tensor]:
-    """Outputs of a module with the kernels' signatures (:mod:`rpa.kernels.triton_regions`)
-    or of the reference (:mod:`rpa.numerics`)."""
+    """Outputs of a module with the kernels' signatures (:mod:`rpa.core.kernels.triton_regions`)
+    or of the reference (:mod:`rpa.core.numerics`)."""
     if mod is numerics:
         rope = numerics.rope_rotate(t["q"], t["cos"][:, None], t["sin"][:, None])
     else:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from rpa.collapse import CollapseThresholds, collapse_verdict, run_verdict, smooth
+from rpa.train.collapse import CollapseThresholds, collapse_verdict, run_verdict, smooth
 
 
 def log(rewards, grads=None, losses=None):
@@ -104,7 +104,7 @@ def test_recovery_does_not_undo_a_collapse():
 
 
 def test_rule_text_is_written_from_the_thresholds():
-    from rpa.collapse import rule_text
+    from rpa.train.collapse import rule_text
     text = rule_text(CollapseThresholds(smoothing_window=10, drop_fraction=0.4, min_steps_after_drop=20))
     assert "smoothed over 10 steps" in text and "0.4 times" in text and "20 consecutive" in text
     assert "half" in rule_text(CollapseThresholds()) and "5 consecutive" in rule_text(CollapseThresholds())
@@ -112,7 +112,7 @@ def test_rule_text_is_written_from_the_thresholds():
 
 
 def test_sensitivity_reports_each_variation():
-    from rpa.collapse import sensitivity
+    from rpa.train.collapse import sensitivity
     # smoothed (window 1) reward falls to 0.27 of the best: collapsed at 0.4 / 0.5 / 0.6
     # for 6 steps: collapsed at persistence 2 and 5, only unconfirmed at 10
     rewards = [1.0] * 10 + [0.27] * 6
@@ -175,7 +175,7 @@ def test_the_readme_states_the_rule_as_coded():
     import re
     from pathlib import Path
 
-    from rpa.collapse import rule_text
+    from rpa.train.collapse import rule_text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     quoted = " ".join(line.strip()[2:] for line in readme.splitlines() if line.strip().startswith("> "))
     assert re.sub(r"\s+", " ", rule_text(CollapseThresholds())) in re.sub(r"\s+", " ", quoted)

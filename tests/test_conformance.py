@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rpa.trainer import align_model
+from rpa.sides.trainer import align_model
 
 VARIANTS = {"stock": None,
             "aligned-bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from analysis import dose
-from rpa.collapse import CollapseThresholds, sensitivity, sensitivity_settings
+from rpa.train.collapse import CollapseThresholds, sensitivity, sensitivity_settings
 
-from rpa import numerics
-from rpa.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.core import numerics
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
 from tests.conftest import REPO, assert_figure, run_py, tail
 
 

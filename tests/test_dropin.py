@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rpa.trainer import UnsupportedModelError, align_model
+from rpa.sides.trainer import UnsupportedModelError, align_model
 
 MODES = {"bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),
          "compute-none": dict(dtype=torch.bfloat16, compute_dtype=None)}
@@ -144,7 +144,7 @@ def test_every_qwen_class_aligns(tiny_dirs, arch, cls_name):
     import transformers
     from transformers import AutoConfig
 
-    from rpa.trainer import UnsupportedModelError, align_model
+    from rpa.sides.trainer import UnsupportedModelError, align_model
 
     config = AutoConfig.from_pretrained(tiny_dirs[arch])
     config.num_labels, config.pad_token_id = 3, 0

@@ -1,9 +1,9 @@
-"""``rpa.gpucheck``'s reporting, without engines (the end-to-end run is in test_vllm.py)."""
+"""``rpa.workflow.gpucheck``'s reporting, without engines (the end-to-end run is in test_vllm.py)."""
 
 import json
 import subprocess
 
-from rpa import gpucheck
+from rpa.workflow import gpucheck
 
 
 def _fake_rpa(report):

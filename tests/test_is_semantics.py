@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rpa.train_config import TrainConfig, TrainConfigError
+from rpa.train.config import TrainConfig, TrainConfigError
 
 
 class _Accelerator:
@@ -73,7 +73,7 @@ def test_dose_grid_skips_and_marks_those_cells():
     import yaml
 
     from analysis.dose import invalid_setting, load_runs, thresholds
-    from rpa.pipeline import dose_points
+    from rpa.workflow.pipeline import dose_points
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The Triton region kernels (``rpa.kernels.triton_regions``).
+"""The Triton region kernels (``rpa.core.kernels.triton_regions``).
 
 On CPU they run under Triton's interpreter in a subprocess (structure and tolerances: the
 interpreter's BF16 conversion is not round-to-nearest). On a CUDA machine the bitwise
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from rpa import numerics
+from rpa.core import numerics
 from tests import kernel_checks as kc
 from tests.conftest import run_py, tail
 
@@ -43,7 +43,7 @@ def test_kernels_under_the_triton_interpreter():
 
 @pytest.fixture(scope="module")
 def kernels():
-    from rpa.kernels import triton_regions
+    from rpa.core.kernels import triton_regions
 
     assert triton_regions.IEEE
     return triton_regions
@@ -94,7 +94,7 @@ def test_cuda_backward_kernels_match_autograd(kernels):
 def test_cuda_trainer_and_plugin_layouts_give_the_same_bits():
     """The trainer passes contiguous [tokens, ...] tensors; vLLM passes views (gate/up halves
     of one GEMM output, q/k slices of the fused qkv). The same op gives the same bits."""
-    from rpa import ops
+    from rpa.core import ops
 
     t = kc.inputs("cuda", rows=512, hidden=1024, inter=2048, heads=8, head_dim=128)
     merged = torch.cat((t["g"], t["u"]), dim=-1)
@@ -110,7 +110,7 @@ def test_cuda_trainer_and_plugin_layouts_give_the_same_bits():
 def test_cuda_compiled_aligned_model_equals_eager(tiny_dirs, arch):
     from transformers import AutoModelForCausalLM
 
-    from rpa.trainer import align_model
+    from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).cuda()
     align_model(model, "all")
@@ -125,7 +125,7 @@ def test_cuda_compiled_aligned_model_equals_eager(tiny_dirs, arch):
 
 @cuda
 def test_cuda_backend_is_triton_and_recorded():
-    from rpa import ops
+    from rpa.core import ops
 
     if os.environ.get(ops.ENV_VAR, "auto") == "reference":
         pytest.skip("RPA_KERNELS=reference")

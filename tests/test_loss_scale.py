@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rpa.loss_scale import DynamicLossScale
+from rpa.train.loss_scale import DynamicLossScale
 
 
 def test_unscale_detects_overflow_and_the_scale_backs_off_and_grows():
@@ -26,7 +26,7 @@ def test_unscale_detects_overflow_and_the_scale_backs_off_and_grows():
 def _grads(model_dir, ids, compute_dtype, scale=1.0):
     from transformers import AutoModelForCausalLM
 
-    from rpa.trainer import align_model
+    from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # FP32 masters
     handle = align_model(model, "none", compute_dtype=compute_dtype)

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from rpa.metrics import mismatch_metrics
+from rpa.measure.metrics import mismatch_metrics
 
 
 def test_hand_computed_values():
@@ -39,7 +39,7 @@ def test_shape_errors():
 
 
 def test_full_kl_hand_computed():
-    from rpa.metrics import full_kl
+    from rpa.measure.metrics import full_kl
 
     mu = np.log([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     pi = np.log([[0.25, 0.75, 0.0], [0.2, 0.3, 0.5]])
@@ -53,7 +53,7 @@ def test_full_kl_hand_computed():
 
 
 def test_full_kl_equals_expected_k1_and_k3():
-    from rpa.metrics import full_kl
+    from rpa.measure.metrics import full_kl
 
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(1, 50))

@@ -22,8 +22,8 @@ torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
-from rpa.scoring import token_logps_and_entropy
-from rpa.trainer import align_model
+from rpa.measure.scoring import token_logps_and_entropy
+from rpa.sides.trainer import align_model
 path = sys.argv[1]
 ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -77,8 +77,8 @@ DDP_SCRIPT = """
 import json, sys, torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
-from rpa.scoring import token_logps_and_entropy
-from rpa.trainer import align_model
+from rpa.measure.scoring import token_logps_and_entropy
+from rpa.sides.trainer import align_model
 torch.manual_seed(0)
 dist.init_process_group("gloo")
 rank = dist.get_rank()

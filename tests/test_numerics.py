@@ -10,7 +10,7 @@ can fail, the stock implementations (several roundings) must violate it.
 import torch
 import torch.nn.functional as F
 
-from rpa import numerics
+from rpa.core import numerics
 
 BF16_MANTISSA = 8  # bits incl. the implicit one
 FP32_REL_ERR = 2.0**-20  # generous bound on the FP32 intermediates' relative error

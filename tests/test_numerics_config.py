@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from rpa.cli import main as cli_main
-from rpa.numerics_config import NumericsConfig, NumericsConfigError
-from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
-from rpa.trainer import load_trainer_model, trainer_context
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.measure.scoring import trainer_batch_logprobs, trainer_logprobs
+from rpa.sides.trainer import load_trainer_model, trainer_context
 
 
 def test_defaults_are_the_study_baseline():
@@ -80,7 +80,7 @@ def test_trl_batch_layout_with_rope_aligned_equals_batch_one(tiny_dirs):
     results = {}
     for regions in ("all", "none"):
         numerics = NumericsConfig.from_dict({"regions": regions})
-        from rpa.trainer import align_model
+        from rpa.sides.trainer import align_model
 
         with align_model(model, numerics.regions):
             single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
@@ -96,8 +96,8 @@ def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
     equal the probe's per-sequence scoring bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from rpa.scoring import token_logps_and_entropy
-    from rpa.trainer import align_model
+    from rpa.measure.scoring import token_logps_and_entropy
+    from rpa.sides.trainer import align_model
 
     path = str(tiny_dirs["qwen3"])
     ids = torch.randint(3, 500, (1, 14), generator=torch.Generator().manual_seed(2))
@@ -120,14 +120,14 @@ def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
 @pytest.mark.parametrize("spec,bits", [(None, None), ("", None), (" none ", None), ("mantissa_bits=4", 4),
                                        ("mantissa_bits = 1", 1), ("mantissa_bits=6", 6)])
 def test_the_plugins_perturbation_setting_parses(spec, bits):
-    from rpa.vllm_plugin import parse_perturbation
+    from rpa.sides.vllm_plugin import parse_perturbation
 
     assert parse_perturbation(spec) == bits
 
 
 @pytest.mark.parametrize("spec", ["mantissa_bits=0", "mantissa_bits=7", "bits=3", "mantissa_bits=x", "mantissa_bits"])
 def test_the_plugins_perturbation_setting_refuses_what_is_not_a_dose(spec):
-    from rpa.vllm_plugin import PERTURB_ENV, parse_perturbation
+    from rpa.sides.vllm_plugin import PERTURB_ENV, parse_perturbation
 
     with pytest.raises(ValueError, match=f"{PERTURB_ENV}=.*expected 'mantissa_bits=K' with K in 1..6"):
         parse_perturbation(spec)

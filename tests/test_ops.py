@@ -1,10 +1,10 @@
-"""The shared ``rpa::*`` custom ops: same bits as :mod:`rpa.numerics` on CPU, registered
+"""The shared ``rpa::*`` custom ops: same bits as :mod:`rpa.core.numerics` on CPU, registered
 fake and autograd implementations, opaque to ``torch.compile``, one backend choice."""
 
 import pytest
 import torch
 
-from rpa import numerics, ops
+from rpa.core import numerics, ops
 from tests import kernel_checks as kc
 
 

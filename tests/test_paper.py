@@ -24,7 +24,7 @@ def _macro(claims: str, name: str) -> str:
 
 
 def _thresholds(paths):
-    from rpa.collapse import CollapseThresholds
+    from rpa.train.collapse import CollapseThresholds
 
     return {CollapseThresholds(**json.loads(p.read_text())["collapse"]) for p in paths}
 
@@ -33,7 +33,7 @@ def _thresholds(paths):
 def test_claims_state_the_collapse_rule_of_the_runs_thresholds(tmp_path):
     from analysis.latex import escape
     from analysis.paper import write_claims
-    from rpa.collapse import rule_text
+    from rpa.train.collapse import rule_text
 
     write_claims(REFERENCE, tmp_path, DOSE)
     claims = (tmp_path / "claims.tex").read_text()
@@ -69,7 +69,7 @@ def _fake_study(root, cells, collapse_of):
 
 def test_runs_judged_with_different_thresholds_get_one_rule_each_with_their_runs(tmp_path):
     from analysis.paper import dose_rule, study_rule
-    from rpa.collapse import CollapseThresholds, rule_text
+    from rpa.train.collapse import CollapseThresholds, rule_text
 
     base = {"smoothing_window": 5, "drop_fraction": 0.5, "min_best_reward": 0.05, "spike_factor": 10.0,
             "spike_warmup_steps": 5, "min_steps_after_drop": 5}

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from rpa.pipeline import PipelineConfigError, check_config, numerics_flags, tiny_flags
+from rpa.workflow.pipeline import PipelineConfigError, check_config, numerics_flags, tiny_flags
 from tests.conftest import REPO, assert_figure, tail
 
 DEFAULT = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
@@ -138,12 +138,12 @@ def test_lock_checker_finds_conflicts_and_missing_pins():
 
 def test_probe_options_have_one_owner_from_config_to_flags_and_back():
     """The probe: section, the flags the rule writes and the flags rpa probe reads are one
-    dataclass (rpa.probe.ProbeOptions): config -> flags -> parsed options is the identity, and a
+    dataclass (rpa.measure.probe.ProbeOptions): config -> flags -> parsed options is the identity, and a
     bad range is reported by the dataclass for the config as for the command line."""
     import shlex
 
     from rpa.cli import _probe_options, build_parser
-    from rpa.pipeline import probe_flags, probe_options
+    from rpa.workflow.pipeline import probe_flags, probe_options
 
     config = copy.deepcopy(DEFAULT)
     config["probe"].update(prompts=7, ratio_band=[0.5, 2.0], compiled=True)
@@ -157,7 +157,7 @@ def test_probe_options_have_one_owner_from_config_to_flags_and_back():
 def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
     import dataclasses
 
-    from rpa.probe import ProbeOptions
+    from rpa.measure.probe import ProbeOptions
 
     schema = yaml.safe_load((REPO / "experiments/schema/config.schema.yaml").read_text())
     props = schema["properties"]["probe"]["properties"]
@@ -166,6 +166,6 @@ def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
             default = props[f.name]["default"]
             assert (tuple(default) if isinstance(default, list) else default) == f.default, f.name
     assert {"prompts", "samples", "max_tokens", "seed", "compiled", "full_kl_max_vocab", "ratio_band"} <= set(props)
-    from rpa.diagnose import DiagnoseOptions
+    from rpa.measure.diagnose import DiagnoseOptions
 
     assert schema["properties"]["diagnose"]["properties"]["sequences"]["default"] == DiagnoseOptions().sequences

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rpa.cli import main
-from rpa.train_config import TrainConfig
+from rpa.train.config import TrainConfig
 
 
 def refused(capsys, argv, needle, absent=None):
@@ -185,10 +185,10 @@ def test_run_config_spellings_users_write_are_accepted(model, tmp_path):
 # ---------------------------------------------------------------- reruns into a measuring command's directory
 
 def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
-    from rpa.numerics_config import NumericsConfig
-    from rpa.outdir import claim
-    from rpa.probe import ProbeOptions, recorded_options
-    from rpa.regions import parse_regions
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.outdir import claim
+    from rpa.measure.probe import ProbeOptions, recorded_options
+    from rpa.core.regions import parse_regions
 
     out = tmp_path / "o"
     numerics = NumericsConfig(regions=parse_regions("all"))
@@ -197,14 +197,14 @@ def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
     assert "use another directory" in line
     assert sorted(p.name for p in out.iterdir()) == ["options.json"]  # nothing else written
     # the same options again are accepted (a rerun restarts cleanly): the check passes up front
-    from rpa.outdir import check_options
+    from rpa.core.outdir import check_options
 
     check_options(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
 
 
 def test_a_misspelt_arm_key_is_reported_once_with_a_suggestion():
     """One line per distinct error, not one per (model, seed) cell that repeats it."""
-    from rpa.pipeline import PipelineConfigError, check_config
+    from rpa.workflow.pipeline import PipelineConfigError, check_config
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
@@ -230,7 +230,7 @@ def test_a_hub_id_the_hub_cannot_serve_is_refused_at_once(capsys, tmp_path, monk
 
 def test_a_checkpoint_with_a_torn_trainer_state_is_not_resumed_from(tmp_path):
     """A kill while a checkpoint's trainer_state.json was written: resume from the one before."""
-    from rpa.rundir import latest_checkpoint
+    from rpa.train.rundir import latest_checkpoint
 
     for step, state in ((2, '{"global_step": 2}'), (4, '{"global_st')):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -274,10 +274,10 @@ def test_a_job_needs_its_model_regions_and_out(capsys, tmp_path):
 def test_diagnose_rerun_with_other_options_is_refused(capsys, model, tmp_path):
     """The in-process path rpa diagnose takes before its engine starts: its sequences are read
     (here from a completions file) and the output directory's recorded options compared."""
-    from rpa.diagnose import recorded_options
-    from rpa.numerics_config import NumericsConfig
-    from rpa.outdir import claim
-    from rpa.regions import parse_regions
+    from rpa.measure.diagnose import recorded_options
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.outdir import claim
+    from rpa.core.regions import parse_regions
 
     completions = tmp_path / "c.jsonl"
     completions.write_text("".join(json.dumps({"seq": i, "prompt_ids": [3, 4], "completion_ids": [5 + i]}) + "\n"

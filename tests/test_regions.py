@@ -1,6 +1,6 @@
 import pytest
 
-from rpa.regions import REGIONS, RegionError, format_regions, parse_regions
+from rpa.core.regions import REGIONS, RegionError, format_regions, parse_regions
 
 
 @pytest.mark.parametrize("spec,want", [

@@ -10,8 +10,8 @@ from tests.conftest import run_py, tail
 SCRIPT = """
 import json, resource, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from rpa.scoring import token_logps_and_entropy
-from rpa.trainer import align_model
+from rpa.measure.scoring import token_logps_and_entropy
+from rpa.sides.trainer import align_model
 torch.manual_seed(0)
 config = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
@@ -46,8 +46,8 @@ def test_chunked_training_scores_equal_the_plain_forward(tiny_dirs):
     the BF16 rounding of the LM-head weight gradient, which is summed per chunk."""
     from transformers import AutoModelForCausalLM
 
-    from rpa.scoring import token_logps_and_entropy
-    from rpa.trainer import align_model
+    from rpa.measure.scoring import token_logps_and_entropy
+    from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32)
     align_model(model, "all")

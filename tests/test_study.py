@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from rpa.pipeline import deep_merge, study_points, study_resources, train_points
+from rpa.workflow.pipeline import deep_merge, study_points, study_resources, train_points
 from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 
@@ -96,8 +96,8 @@ def test_workstation_dry_run_caps_gpus_and_gives_jobs_their_own(tmp_path):
                      "--printshellcmds")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
-    assert "python -m rpa.gpus --count 1 -- rpa train" in out
-    assert "python -m rpa.gpus --count 8 -- accelerate launch --config_file experiments/accelerate/fsdp2.yaml" in out
+    assert "python -m rpa.workflow.gpus --count 1 -- rpa train" in out
+    assert "python -m rpa.workflow.gpus --count 8 -- accelerate launch --config_file experiments/accelerate/fsdp2.yaml" in out
 
 
 def test_gpu_allocator_gives_concurrent_jobs_distinct_gpus(tmp_path):
@@ -111,13 +111,13 @@ def test_gpu_allocator_gives_concurrent_jobs_distinct_gpus(tmp_path):
            "(d / f'{gpu}-{os.getpid()}').touch(); t = time.time()\n"
            "while len(list(d.iterdir())) < 2 and time.time() - t < 60: time.sleep(0.1)\n"
            "print(gpu, len(list(d.iterdir())))" % str(started))
-    cmd = [sys.executable, "-m", "rpa.gpus", "--count", "1", "--", sys.executable, "-c", job]
+    cmd = [sys.executable, "-m", "rpa.workflow.gpus", "--count", "1", "--", sys.executable, "-c", job]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(3)]
     outs = [p.communicate(timeout=180)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     gpus = sorted(o[0] for o in outs)
     assert set(gpus) == {"3", "7"} and len(list(started.iterdir())) == 3
-    passthrough = subprocess.run([sys.executable, "-m", "rpa.gpus", "--count", "0", "--", "true"], env=env, cwd=REPO)
+    passthrough = subprocess.run([sys.executable, "-m", "rpa.workflow.gpus", "--count", "0", "--", "true"], env=env, cwd=REPO)
     assert passthrough.returncode == 0
 
 
@@ -127,9 +127,9 @@ def test_positions_are_an_independent_option(tiny_dirs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rpa.numerics_config import NumericsConfig
-    from rpa.trainer import align_for
-    from rpa.scoring import trainer_batch_logprobs, trainer_logprobs
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.sides.trainer import align_for
+    from rpa.measure.scoring import trainer_batch_logprobs, trainer_logprobs
 
     g = torch.Generator().manual_seed(1)
     comps = [{"prompt_ids": torch.randint(3, 500, (p,), generator=g).tolist(),
@@ -255,7 +255,7 @@ def _manifest(results, model: str, arms: list[str], seeds: list[int]) -> dict:
 
 def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation(tmp_path):
     from analysis.study import collapse_table, load_runs, readable_sensitivity, sensitivity_table
-    from rpa.collapse import CollapseThresholds, sensitivity_settings
+    from rpa.train.collapse import CollapseThresholds, sensitivity_settings
 
     manifest = _manifest(tmp_path, "m", ["none"], [0, 1, 2])
     for seed, kind in enumerate(("stable", "collapsed", "unconfirmed")):

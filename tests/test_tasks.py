@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rpa.tasks import TaskError, TaskSpec, build_task, exact_int_reward, gsm8k_gold, math_verify_reward
+from rpa.train.tasks import TaskError, TaskSpec, build_task, exact_int_reward, gsm8k_gold, math_verify_reward
 
 
 def test_synthetic_add_rows_and_reward():
@@ -75,7 +75,7 @@ def test_eos_sanity_rewards_ending_at_once():
 def test_walk_has_many_right_answers_and_scores_steps():
     """walk: any walk of +-1..3 steps is right, so the best policy can stay stochastic; the
     warm-start rows are random walks, several per start; held-out starts are not trained on."""
-    from rpa.tasks import TaskSpec, build_task
+    from rpa.train.tasks import TaskSpec, build_task
 
     task = build_task(TaskSpec(name="walk", num_prompts=400, length=8, eval_prompts=50, seed=0))
     starts = {r["prompt"] for r in task.rows}
@@ -105,7 +105,7 @@ def test_walk_has_many_right_answers_and_scores_steps():
 def test_math_answers_are_scored_on_the_first_answer_not_a_continuation(completion, gold):
     """A base model answers, then writes the next exercise; math-verify takes the last answer it
     finds, so the continuation's answer used to score the completion (0 for a right answer)."""
-    from rpa.tasks import first_answer, math_verify_correct
+    from rpa.train.tasks import first_answer, math_verify_correct
 
     assert math_verify_reward(None, [completion], [gold]) == [1.0]
     assert math_verify_correct(completion, gold)

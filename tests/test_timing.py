@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rpa.timing import Timings
+from rpa.core.timing import Timings
 from tests.conftest import REPO
 
 

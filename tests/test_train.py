@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from rpa.train_config import TrainConfig, TrainConfigError
+from rpa.train.config import TrainConfig, TrainConfigError
 from tests.conftest import REPO, run_py, tail
 
 BASE = {
@@ -56,8 +56,8 @@ def test_config_errors_name_the_key_and_load_nothing(tmp_path, capsys, patch, ne
 def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_path):
     """The advantage scaling is a run-config field passed to TRL as is; a config.json written
     before the field existed is the same run as one with the default (no "different config")."""
-    from rpa.trl_adapter import grpo_args as _grpo_args, grpo_settings
-    from rpa.rundir import same_config
+    from rpa.train.trl_adapter import grpo_args as _grpo_args, grpo_settings
+    from rpa.train.rundir import same_config
 
     cfg = TrainConfig.from_dict({"model": "m", **BASE, "scale_rewards": "none"})
     settings = grpo_settings(_grpo_args(cfg, tmp_path))
@@ -73,7 +73,7 @@ def test_scale_rewards_reaches_trl_and_old_run_dirs_stay_the_same_config(tmp_pat
 def test_off_policy_and_schedule_knobs_reach_trl(tmp_path):
     """updates_per_generation counts optimizer steps (TRL's steps_per_generation counts
     micro-batches), num_iterations is GRPO's mu, the schedule and eval temperature are data."""
-    from rpa.trl_adapter import grpo_args as _grpo_args
+    from rpa.train.trl_adapter import grpo_args as _grpo_args
 
     cfg = TrainConfig.from_dict({"model": "m", **BASE, "updates_per_generation": 3, "num_iterations": 2,
                                  "lr_scheduler_type": "constant", "per_device_train_batch_size": 8})
@@ -137,7 +137,7 @@ def test_run_resumes_after_kill_without_duplicated_or_missing_steps(killed_and_r
 
 @pytest.mark.engine
 def test_every_step_logs_reward_and_mismatch_metrics(killed_and_resumed_run):
-    from rpa.grpo import STEP_KEYS
+    from rpa.train.grpo import STEP_KEYS
 
     out = killed_and_resumed_run["out"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -159,9 +159,9 @@ def test_sync_check_would_catch_stale_weights(killed_and_resumed_run, tiny_dirs)
     script = f"""
 import json, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from rpa.engine import make_llm
-from rpa.scoring import sync_gap
-from rpa.trainer import align_model
+from rpa.sides.engine import make_llm
+from rpa.measure.scoring import sync_gap
+from rpa.sides.trainer import align_model
 out = {str(out)!r}
 llm = make_llm(out + "/init_model", "all")
 tok = AutoTokenizer.from_pretrained(out + "/init_model")
@@ -180,7 +180,7 @@ print(json.dumps(res))
 
 
 def test_sync_check_classification():
-    from rpa.sync_check import EngineDivergence, WeightSyncError, check_sync_result
+    from rpa.train.sync_check import EngineDivergence, WeightSyncError, check_sync_result
 
     assert check_sync_result(0.01, 0.05, 5.0, [-1.0, -2.0], [-1.5, -2.5], step=3) is False  # within tolerance
     with pytest.raises(WeightSyncError, match="did not change"):  # stale: vLLM's logprobs are the old ones
@@ -266,7 +266,7 @@ def test_second_process_on_a_run_directory_is_refused(killed_and_resumed_run):
 def test_over_long_prompts_are_dropped(tiny_dirs):
     from transformers import AutoTokenizer
 
-    from rpa.grpo import filter_prompts
+    from rpa.train.grpo import filter_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3"])
     rows = [{"prompt": "What is 1 + 2? Answer:", "answer": "3"}, {"prompt": "word " * 60, "answer": "0"}]
@@ -300,7 +300,7 @@ def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_pat
 
 
 def test_different_config_names_the_keys_and_resolves_paths(tmp_path):
-    from rpa.rundir import config_diff
+    from rpa.train.rundir import config_diff
 
     (tmp_path / "q3").mkdir()
     cfg = TrainConfig.from_dict({"model": str(tmp_path / "q3"), **BASE})
@@ -312,8 +312,8 @@ def test_different_config_names_the_keys_and_resolves_paths(tmp_path):
 
 
 def test_torn_log_lines_are_dropped_and_repaired(tmp_path):
-    from rpa.jsonfiles import append_jsonl, read_jsonl
-    from rpa.rundir import truncate_metrics
+    from rpa.core.jsonfiles import append_jsonl, read_jsonl
+    from rpa.train.rundir import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     for step in (1, 2, 3):
@@ -341,20 +341,20 @@ def test_train_summary_regenerates_from_committed_raw_results(tmp_path):
 
 
 def test_the_trl_adapter_is_pinned_to_the_locked_trl_and_refuses_another(monkeypatch):
-    """rpa/trl_adapter.py is the one module on TRL's private API: its TRL release is the lock's,
+    """rpa/train/trl_adapter.py is the one module on TRL's private API: its TRL release is the lock's,
     and importing it under another TRL is refused in one line instead of failing mid-run."""
     import importlib
 
     import trl
 
-    from rpa import trl_adapter
+    from rpa.train import trl_adapter
     from tests.conftest import REPO
 
     for lock in ("requirements/cpu.txt", "requirements/gpu.txt"):
         assert f"trl=={trl_adapter.TRL_VERSION}\n" in (REPO / lock).read_text(), lock
     assert f'"trl=={trl_adapter.TRL_VERSION}"' in (REPO / "pyproject.toml").read_text()
     monkeypatch.setattr(trl, "__version__", "9.9.9")
-    from rpa.errors import UserError
+    from rpa.core.errors import UserError
 
     with pytest.raises(UserError, match="written against trl 1.16.0, but trl 9.9.9 is installed"):
         importlib.reload(trl_adapter)
@@ -365,7 +365,7 @@ def test_the_trl_adapter_is_pinned_to_the_locked_trl_and_refuses_another(monkeyp
 def test_phantom_clipping_binds_only_past_the_clip_in_the_advantages_direction():
     import torch
 
-    from rpa.metrics import phantom_clipped
+    from rpa.measure.metrics import phantom_clipped
 
     trainer = torch.log(torch.tensor([[1.3, 0.7, 1.3, 0.7, 1.1]]))
     sampler = torch.zeros(1, 5)

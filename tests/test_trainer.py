@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rpa.trainer import UnsupportedModelError, align_model, positions_from_mask
+from rpa.sides.trainer import UnsupportedModelError, align_model, positions_from_mask
 
 REGION_SETS = ["none", "rope", "swiglu", "rmsnorm", "rope,swiglu", "all"]
 
@@ -170,9 +170,9 @@ def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
     the GPU's), by one function on both sides: the plugin's layer and the trainer hold the
     same bits. (On an H200: trainer table on cuda == plugin build, while building on CUDA
     would differ in ~19% of entries: results/reference/gpu/gpu_checks.json.)"""
-    from rpa import numerics
-    from rpa.trainer import rope_table
-    from rpa.vllm_plugin import _make_layers
+    from rpa.core import numerics
+    from rpa.sides.trainer import rope_table
+    from rpa.sides.vllm_plugin import _make_layers
 
     with torch.device("meta"):  # a non-CPU default device: an unforced build would have no values
         table = numerics.rope_table(10000.0, 32, 1024)

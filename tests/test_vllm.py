@@ -121,7 +121,7 @@ def probe(model, out, *extra):
 def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path):
     import csv
 
-    from rpa.metrics import mismatch_metrics
+    from rpa.measure.metrics import mismatch_metrics
 
     model = tiny_dirs["qwen3"]
     none = probe(model, tmp_path / "none", "--regions", "none")
@@ -162,7 +162,7 @@ def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path)
     proc = run_py(["-m", "rpa.cli", "diagnose", "--model", str(tiny_dirs["qwen3"]), "--regions", "all",
                    "--out", str(out), "--sequences", "3"])
     assert proc.returncode == 0, tail(proc)
-    from rpa.diagnose import BOUNDARIES, read_layers
+    from rpa.measure.diagnose import BOUNDARIES, read_layers
 
     rows = read_layers(out / "layers.csv")
     summary = json.loads((out / "summary.json").read_text())
@@ -183,7 +183,7 @@ def test_gpu_check_runs_end_to_end_here(tmp_path):
     small vocabulary and a small probe-many; parity-compiled and probe are the parity/probe tests
     above). The 2-GPU FSDP2 step is skipped on a machine without two GPUs, and says so."""
     steps = "parity-eager,train,probe-many,train-fp16,train-fsdp2-2gpu"
-    proc = run_py(["-m", "rpa.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",
+    proc = run_py(["-m", "rpa.workflow.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",
                    "--many-prompts", "4", "--many-samples", "2", "--many-max-tokens", "16"], timeout=1800)
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from rpa.scoring import trainer_batch_logprobs
-from rpa.tiny import TinySpec, build_tiny
+from rpa.measure.scoring import trainer_batch_logprobs
+from rpa.sides.tiny import TinySpec, build_tiny
 
 
 def rss_mb() -> float:

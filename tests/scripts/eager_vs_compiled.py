@@ -5,7 +5,7 @@ import sys
 
 from vllm import SamplingParams
 
-from rpa.engine import make_llm
+from rpa.sides.engine import make_llm
 
 PROMPTS = ["What is 12 + 7? Answer:", "sort 3 1 2 ->", "the number of", "count up: 1 2 3"]
 

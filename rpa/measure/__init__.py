@@ -1,0 +1,1 @@
+"""Mismatch between the sides: scoring, metrics, parity, probe, per-layer diagnosis."""

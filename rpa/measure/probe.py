@@ -1,0 +1,207 @@
+"""Offline mismatch probe: how far the sampler's policy μ (vLLM) is from the trainer's π.
+
+For one model and one :class:`~rpa.core.numerics_config.NumericsConfig`:
+
+1. **Tokens.** Either sample completions here with vLLM (temperature 1, sampled-token
+   logprobs kept) or read a fixed set from ``--completions`` (what another probe run
+   wrote). The pipeline samples once per model and scores every configuration on those
+   identical tokens, so configurations are compared pairwise, token for token.
+2. **μ.** vLLM scores prompt + completion with ``prompt_logprobs`` (decode-time logprobs
+   equal prompt logprobs on the same tokens; a probe that samples checks that and
+   reports the share that agree bitwise). Where the vocabulary is at most
+   ``full_kl_max_vocab``, vLLM returns the whole distribution at every completion
+   position and ``full_kl`` = KL(μ‖π) is computed per position; above that, vLLM would
+   have to materialise ``vocab`` Python objects per token, so ``full_kl`` is ``null``
+   with the reason in ``full_kl_note``.
+3. **π, engine gap.** The trainer-side HF model, aligned and cast as the configuration
+   says, recomputes every completion token one sequence at a time (batch 1, no padding:
+   positions equal vLLM's). The DESIGN metrics over these are the top-level keys.
+4. **π, trainer batch variance.** The same tokens in one padded batch laid out as TRL
+   lays them out (prompts left-padded, completions right-padded, no ``position_ids``).
+   ``trainer_batch_variance`` compares batch vs batch-1 (the trainer's own noise) and
+   batch vs μ (the gap TRL would see).
+
+Outputs in ``out_dir``: ``summary.json`` (schema :data:`SCHEMA`), ``tokens.csv`` (one row
+per completion token, columns :data:`TOKEN_COLUMNS`) and, when sampling,
+``completions.jsonl``. Trainer log-softmax is taken in FP32, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rpa.core.errors import InputError
+from rpa.core.jsonfiles import atomic_path, write_json
+from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
+from rpa.core.numerics_config import NumericsConfig
+from rpa.core.runlog import log
+from rpa.measure.scoring import (
+    load_completions,
+    sample_completions,
+    sampler_logprobs,
+    save_completions,
+    trainer_batch_logprobs,
+    trainer_token_stats,
+)
+
+SCHEMA = "rpa.probe/1"
+TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
+                 "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer")
+"""``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
+exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time) and ``full_kl``
+are empty where not measured; ``entropy_trainer`` is the entropy (nats) of the trainer's
+next-token distribution at that position (mismatch tracks it: report them together)."""
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """The probe's options: the ``rpa probe`` flags and the ``probe:`` section of a pipeline config
+    are built from these fields (:func:`rpa.core.fieldtypes.add_arguments`, :func:`~rpa.core.fieldtypes.to_flags`)."""
+
+    prompts: int = field(default=16, metadata={"help": "prompts to sample completions for"})
+    samples: int = field(default=2, metadata={"help": "completions per prompt"})
+    max_tokens: int = field(default=64, metadata={"help": "tokens per completion at most"})
+    seed: int = field(default=0, metadata={"help": "seed of the prompts and of vLLM's sampling"})
+    full_kl_max_vocab: int = field(default=4096, metadata={"help": "compute full_kl only for vocabularies up to this size"})
+    ratio_band: tuple[float, float] = field(default=RATIO_BAND, metadata={
+        "help": "the band of pi/mu ratios counted as inside (frac_ratio_outside)",
+        "metavar": ("LO", "HI")})
+    compiled: bool = field(default=False, metadata={"help": "run vLLM compiled (default: eager)"})
+    max_model_len: int = field(default=1024, metadata={"help": "vLLM's context length"})
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "samples", "max_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise InputError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+        lo, hi = self.ratio_band
+        if not 0 < lo < 1 < hi:
+            raise InputError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {tuple(self.ratio_band)}")
+
+
+def default_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        out.append(rng.choice([f"What is {a} + {b}? Answer:", f"sort {a % 10} {b % 10} {(a + b) % 10} ->",
+                               "the number of words in this list is", "count up: 1 2 3"]))
+    return out
+
+
+def _log(msg: str) -> None:
+    log("probe", msg)
+
+
+def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    d = np.abs(x - y)
+    return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+            "frac_bitwise_equal": float(np.mean(np.asarray(a) == np.asarray(b)))}
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def recorded_options(model: str, numerics: NumericsConfig, options: ProbeOptions,
+                     completions_path: str | Path | None) -> dict[str, Any]:
+    """What a probe's output directory records (``options.json``): a rerun with others is refused."""
+    return {"model": str(model), "numerics": numerics.to_dict(), **asdict(options),
+            "completions": None if completions_path is None else str(completions_path)}
+
+
+def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options: ProbeOptions = ProbeOptions(),
+              completions_path: str | Path | None = None) -> dict[str, Any]:
+    """Run the probe; writes ``options.json``, ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rpa.sides.engine import close_llm, make_llm, release_memory
+    from rpa.core.outdir import claim
+    from rpa.core.provenance import provenance
+
+    out = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path))
+    t0 = time.time()
+    started = provenance()  # the code that ran is the code at the start
+    hf_config = AutoConfig.from_pretrained(model)
+    vocab = int(hf_config.vocab_size)
+    full = vocab <= options.full_kl_max_vocab
+    _log(f"{model}: {numerics.to_dict()}; starting vLLM ({'compiled' if options.compiled else 'eager'})")
+    llm = make_llm(model, numerics, enforce_eager=not options.compiled, seed=options.seed,
+                   max_model_len=options.max_model_len, enable_prefix_caching=False,
+                   max_logprobs=vocab if full else 20)
+    if completions_path is None:
+        completions = sample_completions(llm, default_prompts(options.prompts, options.seed), options.samples,
+                                         options.max_tokens)
+        save_completions(out / "completions.jsonl", completions)
+        _log(f"sampled {len(completions)} completions")
+    else:
+        completions = load_completions(completions_path)
+        _log(f"scoring {len(completions)} fixed completions from {completions_path}")
+    mu, mu_dist = sampler_logprobs(llm, completions, vocab if full else None)
+    close_llm(llm)  # its memory back before the trainer model loads (vLLM holds most of a GPU)
+    del llm
+    release_memory()
+    _log("vLLM scoring done and engine closed; trainer side")
+
+    from rpa.sides.trainer import load_trainer_model, trainer_context
+
+    hf, alignment = load_trainer_model(numerics, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pi, pi_kl, pi_entropy = [], [], []
+    with trainer_context(numerics):
+        for c, dist in zip(completions, mu_dist or [None] * len(completions)):
+            picked, entropy, pi_dist = trainer_token_stats(hf, c["prompt_ids"], c["completion_ids"], full=full)
+            if full:
+                pi_kl.append(full_kl(dist, pi_dist))
+            pi.append(picked)
+            pi_entropy.append(entropy)
+        pi_batch = trainer_batch_logprobs(hf, completions, pad_id)
+    alignment.remove()
+
+    rows = []
+    for i, c in enumerate(completions):
+        decode = c.get("logp_decode")
+        for j, tok in enumerate(c["completion_ids"]):
+            rows.append({"seq": c["seq"], "position": j, "token_id": tok, "logp_trainer": pi[i][j],
+                         "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
+                         "logp_trainer_batch": pi_batch[i][j],
+                         "logp_decode": "" if decode is None else decode[j],
+                         "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j]})
+    col = lambda name: [r[name] for r in rows]  # noqa: E731
+    metrics = mismatch_metrics(col("logp_trainer"), col("logp_sampler"), col("seq"), options.ratio_band)
+    summary: dict[str, Any] = {"schema": SCHEMA, **metrics, "entropy": float(np.mean(col("entropy_trainer")))}
+    if full:
+        kl = np.concatenate(pi_kl)
+        summary.update(full_kl=float(kl.mean()), full_kl_max=float(kl.max()),
+                       full_kl_note=f"exact KL(mu||pi) over all {vocab} vocabulary entries, mean over positions")
+    else:
+        summary.update(full_kl=None, full_kl_max=None,
+                       full_kl_note=f"vocabulary {vocab} > full_kl_max_vocab {options.full_kl_max_vocab}: not computed")
+    summary["trainer_batch_variance"] = {
+        "batch_size": len(completions),
+        "batch_vs_single": _pair_stats(col("logp_trainer_batch"), col("logp_trainer")),
+        "batch_vs_sampler": _pair_stats(col("logp_trainer_batch"), col("logp_sampler")),
+    }
+    if completions_path is None:
+        summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
+    summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
+                         "mode": "compiled" if options.compiled else "eager",
+                         "completions": str(completions_path) if completions_path else "sampled",
+                         "trainer": alignment.describe(), "vocab_size": vocab}
+    summary["provenance"] = started
+    summary["wall_s"] = round(time.time() - t0, 2)
+    with atomic_path(out / "tokens.csv") as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_json(out / "summary.json", summary)  # atomic, and last: a probe with a summary is whole
+    _log(f"done in {summary['wall_s']} s -> {out}")
+    return summary

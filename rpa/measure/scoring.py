@@ -1,0 +1,275 @@
+"""The central measurement: trainer vs sampler log-probabilities of the same tokens.
+
+Used by the probe, parity, diagnose and the GRPO runner alike:
+
+* completions I/O (:func:`sample_completions`, :func:`save_completions`,
+  :func:`load_completions`): ``{"seq", "prompt_ids", "completion_ids"}`` records, JSON lines;
+* μ, the sampler: :func:`sampler_logprobs` (vLLM ``prompt_logprobs`` of fixed tokens);
+* π, the trainer: :func:`trainer_logprobs` (one sequence, no padding),
+  :func:`trainer_batch_logprobs` (a padded batch laid out as TRL lays it out) and
+  :func:`token_logps_and_entropy` (the GRPO runner's scoring: micro-batches, and the LM
+  head + FP32 log-softmax in chunks of tokens, so memory does not grow with the
+  vocabulary times the whole step);
+* :func:`sync_gap`: both on one sequence, after a weight sync.
+
+Trainer log-softmax is taken in FP32, as vLLM takes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rpa.core.errors import UserError
+
+LOGPROB_CHUNK_TOKENS = 1024
+"""Default tokens per LM-head + log-softmax chunk in :func:`token_logps_and_entropy`
+(1024 x 151,936 FP32 logits = 0.6 GB); a run config sets its own."""
+
+
+class CompletionsError(UserError):
+    """A completions file that cannot be scored (empty, not JSON lines, missing keys)."""
+
+
+# ---------------------------------------------------------------------- completions
+
+
+def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Temperature-1 samples with vLLM's decode-time logprob of each sampled token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
+    completions = []
+    for result in llm.generate(prompts, params, use_tqdm=False):
+        for c in result.outputs:
+            ids = list(c.token_ids)
+            completions.append({"seq": len(completions), "prompt_ids": list(result.prompt_token_ids),
+                                "completion_ids": ids,
+                                "logp_decode": [lp[t].logprob for lp, t in zip(c.logprobs, ids)]})
+    return [c for c in completions if c["completion_ids"]]
+
+
+def save_completions(path: Path, completions: list[dict[str, Any]]) -> None:
+    from rpa.core.jsonfiles import write_text
+
+    write_text(path, "".join(json.dumps(c) + "\n" for c in completions))  # atomic
+
+
+def load_completions(path: str | Path) -> list[dict[str, Any]]:
+    """Completions written by :func:`save_completions` (``logp_decode`` is dropped: it
+    belongs to the configuration that sampled them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CompletionsError(f"{path}: no such file")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                c = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CompletionsError(f"{path}:{n}: not a JSON line ({err.msg})") from None
+            if not isinstance(c, dict):
+                raise CompletionsError(f"{path}:{n}: expected a JSON object, got {type(c).__name__}")
+            missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
+            if missing:
+                raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
+                                       f"(records need seq, prompt_ids, completion_ids)")
+            if not (c["prompt_ids"] and c["completion_ids"]) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in c["prompt_ids"] + c["completion_ids"]):
+                raise CompletionsError(f"{path}:{n}: prompt_ids and completion_ids must be non-empty lists of "
+                                       f"token ids")
+            out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
+    if not out:
+        raise CompletionsError(f"{path}: no completions (empty file)")
+    return out
+
+
+# -------------------------------------------------------------------- the sampler, μ
+
+
+def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[float]], list[np.ndarray] | None]:
+    """vLLM's logprob of every completion token via ``prompt_logprobs``; with ``top_k`` =
+    vocabulary size also the full log-distribution at each completion position."""
+    from vllm import SamplingParams
+
+    # flat_logprobs + no detokenizing: a full-vocabulary row is a slice of flat arrays,
+    # not `vocab` Python objects (15x faster on the tiny models).
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k or 0, flat_logprobs=True,
+                            detokenize=False)
+    inputs = [{"prompt_token_ids": c["prompt_ids"] + c["completion_ids"]} for c in completions]
+    logps, dists = [], [] if top_k else None
+    for c, result in zip(completions, llm.generate(inputs, params, use_tqdm=False)):
+        flat, start, ids = result.prompt_logprobs, len(c["prompt_ids"]), c["completion_ids"]
+        token_ids, values = np.asarray(flat.token_ids), np.asarray(flat.logprobs, dtype=np.float64)
+        picked, dist = [], np.full((len(ids), top_k or 1), -np.inf)
+        for j, tok in enumerate(ids):
+            lo, hi = flat.start_indices[start + j], flat.end_indices[start + j]
+            row_ids, row_lp = token_ids[lo:hi], values[lo:hi]
+            hit = np.flatnonzero(row_ids == tok)
+            if hit.size == 0:
+                raise RuntimeError(f"vLLM returned no logprob for completion token {tok} of sequence {c['seq']}")
+            picked.append(float(row_lp[hit[0]]))
+            if top_k:
+                dist[j, row_ids] = row_lp
+                if np.isneginf(dist[j]).any():
+                    raise RuntimeError(f"vLLM returned {np.isfinite(dist[j]).sum()} of {top_k} logprobs; "
+                                       f"cannot compute full_kl")
+        logps.append(picked)
+        if top_k:
+            dists.append(dist)
+    return logps, dists
+
+
+# -------------------------------------------------------------------- the trainer, π
+
+
+def trainer_token_stats(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """``(logps, entropies, dists)`` of one sequence (no padding): the trainer's log-probability
+    of each completion token given everything before it, the entropy (nats) of its next-token
+    distribution at that position, and with ``full`` the FP32 log-distributions (else None)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + completion_ids], device=device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float()[0, len(prompt_ids) - 1: -1], dim=-1)
+    picked = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+    entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+    return picked, entropy, (logp.double().cpu().numpy() if full else None)
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):
+    """Trainer log-probability of each completion token given everything before it
+    (one sequence, no padding). With ``full`` also the FP32 log-distributions."""
+    picked, _, dist = trainer_token_stats(model, prompt_ids, completion_ids, full=full)
+    return (picked, dist) if full else picked
+
+
+def trainer_batch_logprobs(model, completions, pad_id: int, batch_size: int | None = None,
+                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> list[list[float]]:
+    """All sequences laid out as TRL lays out a batch: prompts left-padded, completions
+    right-padded, an attention mask and no ``position_ids``; scored through the training path
+    (:func:`token_logps_and_entropy`: micro-batches of ``batch_size``, default all at once, and
+    the LM head + FP32 log-softmax ``chunk_tokens`` tokens at a time), so memory does not grow
+    with sequences x tokens x vocabulary (256 completions of ~500 tokens at Qwen3's 151,936
+    vocabulary would be 41 GB of BF16 logits at once)."""
+    import torch
+
+    device = next(model.parameters()).device
+    p_len = max(len(c["prompt_ids"]) for c in completions)
+    c_len = max(len(c["completion_ids"]) for c in completions)
+    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(completions):
+        p, y = c["prompt_ids"], c["completion_ids"]
+        ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
+        mask[i, p_len - len(p): p_len + len(y)] = 1
+    with torch.no_grad():
+        logp, _ = token_logps_and_entropy(model, ids.to(device), mask.to(device), c_len, batch_size=batch_size,
+                                          chunk_tokens=chunk_tokens)
+    return [logp[i, : len(c["completion_ids"])].tolist() for i, c in enumerate(completions)]
+
+
+def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float], list[float]]:
+    """Mean |log π − log μ| over the tokens of ``ids`` (vLLM ``prompt_logprobs`` vs ``model``),
+    and both engines' logprobs themselves (μ, π). Scored as the probe scores fixed tokens."""
+    seq = {"seq": 0, "prompt_ids": ids[:1], "completion_ids": ids[1:]}
+    mu = sampler_logprobs(llm, [seq], None)[0][0]
+    pi = trainer_logprobs(model, seq["prompt_ids"], seq["completion_ids"])
+    return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu, pi
+
+
+def _head_logps(head, hidden, targets, temperature: float, entropy: bool):
+    """LM head + FP32 log-softmax of one chunk of tokens: picked log-probs (and entropies)."""
+    import torch
+
+    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
+
+
+def _inner_model(model):
+    """The causal LM inside a DDP wrapper (an FSDP2-sharded model is the module itself)."""
+    import torch
+
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class _ChunkedHead:
+    """Stands in for the LM head's forward during one scoring forward: the model's own forward
+    (with a DDP wrapper's or FSDP2's hooks around it, so gradients sync and sharded parameters
+    are gathered) hands it the hidden states of the kept positions, and it returns
+    ``(batch, kept - 1, 2)``: each position's log-probability of the next token and its entropy
+    (0 when not asked for), the head + FP32 log-softmax run ``chunk_tokens`` tokens at a time
+    and recomputed in the backward pass, so no more than one chunk of full-vocabulary logits is
+    alive. Wrapped or not, every caller scores through this one path (π_old and π agree bitwise)."""
+
+    def __init__(self, stock, targets, temperature: float, entropy: bool, chunk_tokens: int) -> None:
+        self.stock, self.targets, self.temperature = stock, targets, temperature
+        self.entropy, self.chunk_tokens = entropy, chunk_tokens
+
+    def __call__(self, hidden):
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        batch, width = hidden.size(0), hidden.size(-1)
+        hidden = hidden[:, :-1].reshape(-1, width)  # the positions predicting the kept tokens
+        picked, ents = [], []
+        for lo in range(0, self.targets.numel(), self.chunk_tokens):
+            args = (self.stock, hidden[lo:lo + self.chunk_tokens], self.targets[lo:lo + self.chunk_tokens],
+                    self.temperature, self.entropy)
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                p, e = checkpoint(_head_logps, *args, use_reentrant=False)
+            else:
+                p, e = _head_logps(*args)
+            picked.append(p)
+            ents.append(e if e is not None else torch.zeros_like(p))
+        return torch.stack([torch.cat(picked), torch.cat(ents)], dim=-1).view(batch, -1, 2)
+
+
+def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
+                            batch_size: int | None = None, compute_entropy: bool = False,
+                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
+
+    Sequences go through the model's own forward in micro-batches of ``batch_size`` (through
+    a DDP wrapper or FSDP2's hooks where the model has them); the model's own LM head (so it
+    runs in the configured numerics: BF16 in compute mode, FP32 with ``lm_head_fp32``; TRL
+    1.16's fused head would multiply by the FP32 master) and the FP32 log-softmax run on
+    ``chunk_tokens`` tokens at a time inside that forward (:class:`_ChunkedHead`), each chunk
+    recomputed in the backward pass when gradients are on, so at most one chunk of
+    full-vocabulary logits is alive at a time instead of ``batch x tokens x vocabulary``.
+    """
+    import torch
+
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    batch_size = batch_size or input_ids.size(0)
+    head = _inner_model(model).get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(_inner_model(model)).__name__} has no LM head to score tokens with")
+    own_forward = head.__dict__.get("forward")  # an alignment's patched forward lives on the instance
+    logps, entropies = [], []
+    try:
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            head.forward = _ChunkedHead(own_forward or type(head).forward.__get__(head),
+                                        ids[:, -logits_to_keep:].reshape(-1), temperature, compute_entropy,
+                                        chunk_tokens)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                        logits_to_keep=logits_to_keep + 1).logits
+            logps.append(out[..., 0])
+            if compute_entropy:
+                entropies.append(out[..., 1])
+    finally:
+        if own_forward is None:
+            head.__dict__.pop("forward", None)
+        else:
+            head.forward = own_forward
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None

@@ -1,0 +1,186 @@
+"""Starting vLLM with a region set, and checking from inside its workers that it took.
+
+The region set reaches every vLLM process through :data:`rpa.sides.vllm_plugin.ENV_VAR`; it is
+fixed per process (see :mod:`rpa.sides.vllm_plugin`). :func:`make_llm` sets it, starts the
+engine and runs :func:`verify_plugin`, which fails closed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rpa.core.regions import REGIONS, format_regions, parse_regions
+from rpa.sides.vllm_plugin import ENV_VAR, PERTURB_ENV
+
+
+class PluginNotActiveError(RuntimeError):
+    """The vLLM engine does not run the requested alignment."""
+
+
+def _worker_status(worker) -> dict[str, Any]:
+    from rpa.sides.vllm_plugin import plugin_status
+
+    return plugin_status(worker.model_runner.get_model())
+
+
+def _worker_start_capture(worker) -> None:
+    from rpa.sides.vllm_plugin import start_capture
+
+    start_capture()
+
+
+def _worker_stop_capture(worker) -> list[dict[str, Any]]:
+    from rpa.sides.vllm_plugin import stop_capture
+
+    return stop_capture()
+
+
+def worker_status(llm) -> list[dict[str, Any]]:
+    """:func:`rpa.sides.vllm_plugin.plugin_status` from every worker of ``llm``."""
+    return llm.collective_rpc(_worker_status)
+
+
+def start_capture(llm) -> None:
+    llm.collective_rpc(_worker_start_capture)
+
+
+def stop_capture(llm) -> list[dict[str, Any]]:
+    """Captured aligned-op calls of all workers, concatenated."""
+    return [call for calls in llm.collective_rpc(_worker_stop_capture) for call in calls]
+
+
+def verify_plugin(llm, regions: frozenset[str], perturbation: int | None = None) -> list[dict[str, Any]]:
+    """Fail closed unless every worker aligns exactly ``regions`` in every matching layer and
+    perturbs the sampler exactly as requested (``perturbation``: mantissa bits, or None)."""
+    from rpa.core.ops import backend_report
+
+    statuses = worker_status(llm)
+    want = format_regions(regions)
+    kernels = backend_report()
+    problems = []
+    for st in statuses:
+        where = f"worker pid {st['pid']}"
+        if not st["loaded"]:
+            problems.append(f"{where}: rpa plugin was not loaded (is the package installed, VLLM_PLUGINS unset?)")
+            continue
+        if st["regions"] != want:
+            problems.append(f"{where}: plugin aligns {st['regions']!r}, requested {want!r} "
+                            f"(the region set is fixed per process; start a new one)")
+        if st.get("perturbation") != perturbation:
+            problems.append(f"{where}: sampler perturbation {st.get('perturbation')!r}, requested {perturbation!r}")
+        perturbed = st.get("perturbed_layers", {})
+        if perturbation is not None and any(not perturbed.get(r) for r in REGIONS):
+            problems.append(f"{where}: the dose reached only {perturbed} of the three regions' layers")
+        if perturbation is None and perturbed:
+            problems.append(f"{where}: layers {perturbed} are perturbed although no dose was requested")
+        if st.get("kernels") != kernels:
+            problems.append(f"{where}: kernel backend {st.get('kernels')} differs from this process's {kernels} "
+                            f"(both sides must run the same kernels; set RPA_KERNELS alike)")
+        for region in REGIONS:
+            aligned = st["aligned_layers"].get(region, 0)
+            stock = st["stock_layers"].get(region, 0)
+            if region in regions and (aligned == 0 or stock):
+                problems.append(f"{where}: region {region!r}: {aligned} aligned and {stock} stock layers")
+            if region not in regions and aligned:
+                problems.append(f"{where}: region {region!r} is aligned but was not requested")
+    if problems:
+        raise PluginNotActiveError("vLLM alignment check failed:\n  " + "\n  ".join(problems))
+    return statuses
+
+
+CACHE_BASE_ENV = "RPA_VLLM_CACHE_BASE"
+"""The user's vLLM cache root, remembered before :func:`make_llm_env` points
+``VLLM_CACHE_ROOT`` at a per-configuration subdirectory of it."""
+
+
+def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) -> str:
+    """What vLLM's compile-cache key lacks: the region set and the kernel backend.
+
+    vLLM (torch >= 2.10) caches compiled graphs under ``VLLM_CACHE_ROOT`` keyed by its
+    config, its environment variables and the traced source files -- not by ``RPA_REGIONS``
+    or by which layers the plugin replaced. Two region sets on one model would share (and
+    on CUDA load) one another's graphs; one cache root per key keeps them apart.
+    """
+    from rpa.core.ops import backend_report
+
+    kernels = backend_report()
+    dose = "" if perturbation is None else f"-perturb-mantissa{perturbation}"
+    return f"rpa-{format_regions(regions).replace(',', '+')}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
+
+
+def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
+    """Set the environment a vLLM engine started after this call in this process reads, for a
+    :class:`~rpa.core.numerics_config.NumericsConfig` (or a bare region set): the plugin's region
+    set and sampler perturbation, their compile-cache root (:func:`compile_cache_key`),
+    in-process or multiprocess engine core, CPU KV-cache size."""
+    from rpa.core.numerics_config import NumericsConfig
+
+    if not isinstance(numerics, NumericsConfig):
+        numerics = NumericsConfig(regions=numerics)
+    regions, bits = numerics.sampler_regions, numerics.mantissa_bits
+    os.environ[ENV_VAR] = format_regions(regions)
+    os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
+    if not os.environ.get(CACHE_BASE_ENV):
+        default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+        os.environ[CACHE_BASE_ENV] = os.environ.get("VLLM_CACHE_ROOT", default)
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions, bits))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # collective_rpc ships the status/capture callables to the engine process by pickle.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+
+
+def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: bool = False, seed: int = 0,
+             max_model_len: int = 1024, kv_cache_gib: int = 1, **llm_kwargs):
+    """A ``vllm.LLM`` for a :class:`~rpa.core.numerics_config.NumericsConfig` (or a bare region set,
+    BF16): its plugin aligns the regions, verified in every worker; dtype and LM-head dtype
+    come from the configuration.
+
+    ``multiprocess=False`` runs the engine in this process (fast start); ``True`` uses
+    vLLM's default engine-core process (callers then need an ``if __name__ ==
+    "__main__"`` guard).
+    """
+    from rpa.core.numerics_config import NumericsConfig
+
+    if not isinstance(numerics, NumericsConfig):
+        numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
+    regions = numerics.sampler_regions
+    want = format_regions(regions)
+    from rpa.sides import vllm_plugin
+
+    loaded = (format_regions(vllm_plugin._STATE["regions"]), vllm_plugin._STATE["perturbation"])
+    if vllm_plugin._STATE["loaded"] and loaded != (want, numerics.mantissa_bits):
+        raise PluginNotActiveError(
+            f"this process already loaded the rpa plugin with regions {loaded[0]!r} and sampler perturbation "
+            f"{loaded[1]!r}; {want!r} / {numerics.mantissa_bits!r} needs a new process"
+        )
+    make_llm_env(numerics, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
+    from vllm import LLM
+
+    llm = LLM(model=model, enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
+              **{**numerics.vllm_kwargs(), **llm_kwargs})
+    verify_plugin(llm, regions, numerics.mantissa_bits)
+    return llm
+
+
+def close_llm(llm) -> None:
+    """Shut ``llm``'s engine down before the trainer side loads: a colocated engine keeps
+    ``gpu_memory_utilization`` (vLLM's default 0.92) of the GPU, and an HF model loaded beside it
+    would have to fit in the rest. The caller then drops its reference and calls
+    :func:`release_memory`."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def release_memory() -> None:
+    """Collect dropped engines and models and empty the CUDA cache."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

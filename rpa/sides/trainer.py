@@ -1,0 +1,452 @@
+"""Trainer side: align a Hugging Face Qwen2/Qwen3 causal LM for a region set.
+
+:func:`align_model` gives the model's own module instances (RMSNorm, MLP, rotary
+embedding, and in BF16-compute mode every Linear and Embedding) a replacement forward
+(:class:`PatchedForward`) that runs the aligned regions through the shared custom ops of
+:mod:`rpa.core.ops` -- the very ops the vLLM plugin runs -- and returns a handle that removes
+them again (also a context manager). The patch is meant to stay installed for a whole
+training run: gradient checkpointing re-runs the forward inside ``backward()``.
+
+The patch is a drop-in: it holds no closures over module instances (state lives on the
+modules), so ``copy.deepcopy`` (TRL's reference model), pickling and ``torch.save`` of an
+aligned model work and the copy is independent; the custom ops are opaque to
+``torch.compile`` / ``torch.export``, so a compiled aligned model keeps the aligned bits;
+the RoPE lookup needs no host sync. Before every forward the handle re-checks the model
+(:meth:`TrainerAlignment.refresh`): embeddings or an LM head replaced after aligning
+(``resize_token_embeddings``) get the same patch, and a parameter dtype the compute mode
+cannot follow (``model.half()``) is refused.
+
+Two compute modes:
+
+* ``compute_dtype=torch.bfloat16`` (default), the study's BF16 baseline. BF16 parameters
+  are used as they are. FP32 master parameters (TRL's default) are cast to BF16 inside
+  every Linear, Embedding and RMSNorm forward, as FSDP ``MixedPrecision(param_dtype=bf16)``
+  does, so the residual stream and every activation are BF16; gradients still reach the
+  FP32 masters. With region set ``all``, such a model gives bit-identical logits to a
+  BF16 copy of itself. Logits come back in the parameter dtype (the upcast is exact).
+* ``compute_dtype=None``: parameters and autocast are left as the caller has them (TRL's
+  FP32-master + autocast numerics); only the chosen regions are rewired.
+
+Positions: with ``positions_from_mask`` (default: when RoPE is aligned), a forward without
+``position_ids`` takes them from the attention mask, so a left-padded sequence sees the
+same RoPE positions as it does alone (TRL left-pads and passes none; vLLM counts from the
+first real token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import importlib
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rpa.core import numerics, ops
+from rpa.core.errors import UserError
+from rpa.core.regions import format_regions, parse_regions
+
+SUPPORTED_ARCHS: dict[str, str] = {
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+}
+"""``config.model_type`` -> modeling module. Qwen2.5 checkpoints use ``qwen2``."""
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+class UnsupportedModelError(UserError):
+    """A model the trainer patch does not handle (refused, never silently left stock)."""
+
+
+class PatchedForward:
+    """A module's replacement forward, ``fn(module, *args, **kwargs)``.
+
+    It holds its module as plain state (no closure, no bound method): a deep copy of the
+    model gets a copy that calls *its own* module, pickling works (``fn`` is a module-level
+    function), and ``remove()`` only has to drop the instance attribute.
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable) -> None:
+        self.module = module
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"PatchedForward({self.fn.__name__})"
+
+
+# ------------------------------------------------------------------ region wiring
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """RoPE positions counted from each row's first real token (left padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _rope_heads(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rpa::rope`` on HF's ``[batch, heads, seq, head_dim]`` layout (a view of the
+    projections' ``[batch, seq, heads, head_dim]``, so the token-major form is free)."""
+    b, h, t, d = x.shape
+    tokens = x.transpose(1, 2).reshape(b * t, h, d)
+    half = cos.shape[-1]
+    cos, sin = cos.expand(b, t, half).reshape(b * t, half), sin.expand(b, t, half).reshape(b * t, half)
+    return ops.rope(tokens, cos, sin).view(b, t, h, d).transpose(1, 2)
+
+
+def aligned_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
+    """HF's ``apply_rotary_pos_emb`` signature over ``rpa::rope``.
+
+    ``cos``/``sin`` are the FP32 half-width values ``[batch, seq, rotary_dim // 2]`` that the
+    aligned rotary module gathers from the shared table.
+    """
+    if unsqueeze_dim != 1:
+        raise NotImplementedError("aligned RoPE expects HF's [batch, heads, seq, head_dim] layout (unsqueeze_dim=1)")
+    return _rope_heads(q, cos, sin), _rope_heads(k, cos, sin)
+
+
+def _is_aligned_rope(q: Tensor, cos: Tensor) -> bool:
+    """The aligned rotary module returns FP32 half-width cos/sin; HF's stock one returns the
+    full rotary width (which for the supported models is the whole head)."""
+    return cos.dtype == torch.float32 and 2 * cos.shape[-1] == q.shape[-1]
+
+
+def _rope_dispatch(stock: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _is_aligned_rope(q, cos):
+            return aligned_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return stock(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.rpa_stock = stock
+    return apply_rotary_pos_emb
+
+
+def _install_rope_dispatch() -> None:
+    """Route the Qwen modeling modules' ``apply_rotary_pos_emb`` through :func:`_rope_dispatch`.
+
+    Installed on the first aligned model and left installed: it is transparent for stock
+    models (their cos/sin are full-width), it holds no per-model state (deep copies and
+    pickles of a model need nothing from it) and, decided by shapes alone, it traces under
+    ``torch.compile(fullgraph=True)`` and ``torch.export``.
+    """
+    for path in SUPPORTED_ARCHS.values():
+        mod = importlib.import_module(path)
+        if not hasattr(mod.apply_rotary_pos_emb, "rpa_stock"):
+            mod.apply_rotary_pos_emb = _rope_dispatch(mod.apply_rotary_pos_emb)
+
+
+def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    return ops.rms_norm(hidden_states, self.weight.to(hidden_states.dtype), self.variance_epsilon)
+
+
+def _rms_norm_forward_stock_cast(self, hidden_states: Tensor) -> Tensor:
+    """HF's stock RMSNorm (5.19) with the weight taken at the compute dtype (not aligned)."""
+    input_dtype = hidden_states.dtype
+    x32 = hidden_states.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight.to(self._rpa_compute_dtype) * x32.to(input_dtype)
+
+
+def _mlp_forward(self, x: Tensor) -> Tensor:
+    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+ROPE_TABLE_BUFFER = "rpa_cos_sin_bits"
+"""Non-persistent buffer of the rotary module: the shared FP32 table stored as int32 bits,
+so it moves with ``model.to(device)`` while ``model.to(dtype)`` (which casts floating
+buffers) cannot round it."""
+
+
+def _rotary_forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    table = getattr(self, ROPE_TABLE_BUFFER).view(torch.float32)
+    if position_ids.numel():
+        # device-side check: no host sync, traceable by torch.compile / torch.export
+        torch._assert_async(position_ids.max() < table.shape[0],
+                            f"a RoPE position is past max_position_embeddings={table.shape[0]}")
+    return numerics.rope_lookup(table, position_ids)
+
+
+def _linear_forward_cast(self, x: Tensor) -> Tensor:
+    dtype = self._rpa_compute_dtype
+    bias = None if self.bias is None else self.bias.to(dtype)
+    return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+def _lm_head_forward_cast(self, x: Tensor) -> Tensor:
+    """The LM head at the compute dtype; logits returned in the parameter dtype (upcasting a
+    BF16 value to FP32 is exact), as a stock model of that dtype returns them."""
+    return _linear_forward_cast(self, x).to(self.weight.dtype)
+
+
+def _lm_head_forward_fp32(self, x: Tensor) -> Tensor:
+    """LM head in FP32 (ScaleRL; vLLM ``head_dtype=float32`` on CPU does the same casts).
+
+    With FP32 masters in compute mode the weight is first taken at the compute dtype (what an
+    FSDP-style trainer gathers); in autocast mode the FP32 master is used as it is (TRL).
+    """
+    weight, bias = self.weight, self.bias
+    dtype = self.__dict__.get("_rpa_compute_dtype")
+    if dtype is not None:
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _embedding_forward_cast(self, input_ids: Tensor) -> Tensor:
+    weight = self.weight.to(self._rpa_compute_dtype)
+    return F.embedding(input_ids, weight, self.padding_idx, self.max_norm, self.norm_type,
+                       self.scale_grad_by_freq, self.sparse)
+
+
+def _positions_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Inner-model pre-hook: without ``position_ids``, take them from a 2-D attention mask."""
+    if args:  # positional call: bind to the stock signature
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        args, kwargs = (), {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
+        kwargs.update(bound.arguments.get("kwargs", {}))
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
+        return args, kwargs
+    ids = kwargs.get("input_ids")
+    seq_len = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+    kwargs["position_ids"] = positions_from_mask(mask)[:, -seq_len:]
+    return args, kwargs
+
+
+def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Top-level pre-hook: refuse a dtype change and align modules added after aligning."""
+    module._rpa_alignment.refresh()
+
+
+@dataclass
+class TrainerAlignment:
+    """Installed patch on one model; :meth:`remove` (or leaving the ``with``) undoes it.
+
+    It lives on the model (``model._rpa_alignment``) and holds only the model, its modules
+    and settings: a deep copy or a pickle of the model carries its own, working alignment.
+    """
+
+    model: nn.Module
+    regions: frozenset[str]
+    compute_dtype: torch.dtype | None
+    lm_head_fp32: bool = False
+    positions_from_mask: bool = False
+    patched: list[nn.Module] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
+    active: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        param_dtype = next(self.model.parameters()).dtype
+        return {
+            "regions": format_regions(self.regions),
+            "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
+            "param_dtype": str(param_dtype).removeprefix("torch."),
+            "cast_fp32_master_params": self.compute_dtype is not None and param_dtype != self.compute_dtype,
+            "lm_head_fp32": self.lm_head_fp32,
+            "positions": "mask" if self.positions_from_mask else "stock",
+            "kernels": ops.kernel_backend(next(self.model.parameters()).device),
+            "patched_modules": len(self.patched),
+            "active": self.active,
+        }
+
+    # ------------------------------------------------------------------ patching
+
+    def patch(self, module: nn.Module, fn: Callable, **attrs: Any) -> None:
+        module.__dict__.update(attrs, _rpa_patched=True)
+        module.forward = PatchedForward(module, fn)
+        self.patched.append(module)
+
+    def _head_forward(self) -> Callable | None:
+        if self.lm_head_fp32:
+            return _lm_head_forward_fp32
+        return _lm_head_forward_cast if self.compute_dtype is not None else None
+
+    def refresh(self) -> None:
+        """Called before every forward: modules that replaced the embeddings or the LM head
+        after aligning (``resize_token_embeddings``, a new head) get the same patch, and a
+        change of the parameter dtype that the compute mode cannot follow is refused."""
+        embeddings, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        if self.compute_dtype is not None:
+            dtype = embeddings.weight.dtype
+            if dtype not in (torch.float32, self.compute_dtype):
+                raise UnsupportedModelError(
+                    f"the model's parameters are now {dtype}, but it was aligned for {self.compute_dtype} compute "
+                    f"(from {self.compute_dtype} or FP32 master parameters); remove() the alignment before changing "
+                    f"the dtype and align again")
+            if not getattr(embeddings, "_rpa_patched", False):
+                self.patch(embeddings, _embedding_forward_cast, _rpa_compute_dtype=self.compute_dtype)
+        forward = self._head_forward()
+        if head is not None and forward is not None and not getattr(head, "_rpa_patched", False):
+            self.patch(head, forward, _rpa_compute_dtype=self.compute_dtype)
+
+    def remove(self) -> None:
+        if not self.active:
+            return
+        for module in self.patched:
+            for attr in ("forward", "_rpa_compute_dtype", "_rpa_patched"):
+                module.__dict__.pop(attr, None)
+            module._buffers.pop(ROPE_TABLE_BUFFER, None)
+            module._non_persistent_buffers_set.discard(ROPE_TABLE_BUFFER)
+        for hook in self.hooks:
+            hook.remove()
+        self.patched.clear()
+        self.hooks.clear()
+        self.model.__dict__.pop("_rpa_alignment", None)
+        self.active = False
+
+    def __enter__(self) -> "TrainerAlignment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def check_config(config) -> None:
+    """Refuse (:class:`UnsupportedModelError`) a HF config the aligned regions do not cover:
+    checked from ``config.json`` alone, before any weights load."""
+    model_type = getattr(config, "model_type", None)
+    supported = ", ".join(f"{t} ({SUPPORTED_ARCHS[t].rsplit('.', 1)[-1]})" for t in SUPPORTED_ARCHS)
+    if model_type not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(f"rpa aligns Qwen2/Qwen3 causal LMs only; got model_type={model_type!r}. "
+                                    f"Supported: {supported}")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported by the aligned RoPE; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported: "
+                                    f"the aligned RoPE rotates the whole head, as Qwen2/Qwen3 do")
+    if config.hidden_act != "silu":
+        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not SwiGLU (silu)")
+
+
+def check_supported(model: nn.Module) -> types.ModuleType:
+    """Return the model's modeling module, or raise :class:`UnsupportedModelError`."""
+    config = getattr(model, "config", None)
+    check_config(config)
+    modeling = importlib.import_module(SUPPORTED_ARCHS[config.model_type])
+    decoder_of(model, modeling)  # raises for a model without exactly one decoder
+    return modeling
+
+
+def decoder_of(model: nn.Module, modeling: types.ModuleType) -> nn.Module:
+    """The model's Qwen2Model/Qwen3Model: the model itself (the base class) or its one decoder
+    child (``.model`` of the causal LM and classification heads, ``.transformer`` of QA)."""
+    base = getattr(modeling, "Qwen2Model" if model.config.model_type == "qwen2" else "Qwen3Model")
+    if isinstance(model, base):
+        return model
+    found = [m for m in model.children() if isinstance(m, base)]
+    if len(found) != 1:
+        raise UnsupportedModelError(f"expected a {base.__name__} or a model with one {base.__name__} inside; "
+                                    f"got {type(model).__name__}")
+    return found[0]
+
+
+def rope_table(config) -> Tensor:
+    """The shared FP32 cos/sin table of a HF Qwen config (built on the CPU, see
+    :func:`rpa.core.numerics.rope_table`); the vLLM plugin builds the same from its layer args."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return numerics.rope_table(config.rope_parameters["rope_theta"], head_dim, config.max_position_embeddings)
+
+
+def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
+                compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False,
+                positions_from_mask: bool | None = None) -> TrainerAlignment:
+    """Align ``model`` (a HF Qwen2/Qwen3 causal LM) in ``regions``; see the module doc.
+
+    ``lm_head_fp32`` runs the LM head in FP32 on FP32 copies of its (compute-dtype)
+    weights, outside autocast: the FP32-LM-head comparison point, not part of the regions.
+    ``positions_from_mask``: take RoPE positions from the attention mask when none are
+    passed (left padding does not shift them); default: when ``rope`` is aligned.
+    """
+    if isinstance(regions, str):
+        regions = parse_regions(regions)
+    modeling = check_supported(model)
+    if getattr(model, "_rpa_alignment", None) is not None:
+        raise RuntimeError("model is already aligned; remove() the existing alignment first")
+    param_dtypes = {p.dtype for p in model.parameters()}
+    if compute_dtype is not None and not param_dtypes <= {torch.float32, compute_dtype}:
+        raise UnsupportedModelError(f"parameters are {sorted(map(str, param_dtypes))}; {compute_dtype} compute needs "
+                                    f"{compute_dtype} or FP32 master parameters")
+    if positions_from_mask is None:
+        positions_from_mask = "rope" in regions
+    handle = TrainerAlignment(model, regions, compute_dtype, lm_head_fp32, positions_from_mask)
+    prefix = "Qwen2" if model.config.model_type == "qwen2" else "Qwen3"
+    norm_cls, mlp_cls = getattr(modeling, f"{prefix}RMSNorm"), getattr(modeling, f"{prefix}MLP")
+    cast = compute_dtype is not None  # a no-op for parameters already at the compute dtype
+    head = model.get_output_embeddings()  # None for the base model and the classification / QA heads
+    if lm_head_fp32 and head is None:
+        raise UnsupportedModelError(f"lm_head_fp32: {type(model).__name__} has no LM head")
+    decoder = decoder_of(model, modeling)
+
+    try:
+        for module in model.modules():
+            if module is head:
+                continue  # refresh() patches the head (and follows a replaced one)
+            if isinstance(module, norm_cls):
+                if "rmsnorm" in regions:
+                    handle.patch(module, _rms_norm_forward)
+                elif cast:
+                    handle.patch(module, _rms_norm_forward_stock_cast, _rpa_compute_dtype=compute_dtype)
+            elif isinstance(module, mlp_cls) and "swiglu" in regions:
+                handle.patch(module, _mlp_forward)
+            elif cast and type(module) is nn.Linear:
+                handle.patch(module, _linear_forward_cast, _rpa_compute_dtype=compute_dtype)
+            elif cast and type(module) is nn.Embedding:
+                handle.patch(module, _embedding_forward_cast, _rpa_compute_dtype=compute_dtype)
+        if "rope" in regions:
+            rotary = decoder.rotary_emb
+            table = rope_table(model.config).to(rotary.inv_freq.device)
+            rotary.register_buffer(ROPE_TABLE_BUFFER, table.view(torch.int32), persistent=False)
+            handle.patch(rotary, _rotary_forward)
+            _install_rope_dispatch()
+        if positions_from_mask:
+            handle.hooks.append(decoder.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True))
+        model.__dict__["_rpa_alignment"] = handle
+        handle.refresh()
+        handle.hooks.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+# ------------------------------------------------------------ from a numerics configuration
+
+
+def align_for(config, model: nn.Module) -> TrainerAlignment:
+    """:func:`align_model` for a :class:`~rpa.core.numerics_config.NumericsConfig` on a HF model (BF16
+    or FP32 masters): its trainer-side regions, compute dtype (none in autocast mode), LM head
+    and RoPE positions."""
+    autocast = config.trainer_mode == "autocast"
+    return align_model(model, config.trainer_regions, compute_dtype=None if autocast else config.torch_dtype(),
+                       lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask)
+
+
+def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, TrainerAlignment]:
+    """The HF model for ``config`` on its trainer device, aligned (:func:`align_for`), in eval
+    mode. Returns ``(model, alignment)``; run forwards inside :func:`trainer_context`."""
+    from transformers import AutoModelForCausalLM
+
+    autocast = config.trainer_mode == "autocast"
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else config.torch_dtype(),
+                                              **kwargs).to(config.trainer_device())
+    hf.eval()
+    return hf, align_for(config, hf)
+
+
+def trainer_context(config):
+    """``torch.autocast`` at the precision in autocast mode, else a null context."""
+    if config.trainer_mode != "autocast":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(config.trainer_device()).type, dtype=config.torch_dtype())
+

@@ -1,0 +1,291 @@
+"""The configuration of one GRPO run (``rpa train --config FILE.yaml``), as validated data.
+
+Every knob has a default here and is written out in full to ``RUN_DIR/config.json``;
+unknown keys and bad values raise :class:`TrainConfigError` naming the key, before any
+model is loaded. The grouping follows TRL's ``GRPOConfig`` where the option is TRL's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rpa.train.collapse import CollapseThresholds
+from rpa.core.errors import UserError
+from rpa.core.fieldtypes import FieldTypeError, typed
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.train.tasks import SYNTHETIC, TaskError, TaskSpec
+
+IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_truncate",
+                                         "sequence_mask": "sequence_mask"}
+"""Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
+
+
+OLD_LOGPROBS = ("trainer", "sampler")
+
+LR_SCHEDULES = ("linear", "constant", "cosine")
+"""``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
+
+SCALE_REWARDS = ("group", "batch", "none")
+"""TRL ``scale_rewards``: what GRPO divides the centred rewards by (group std, batch std, nothing)."""
+
+
+class TrainConfigError(UserError):
+    """An invalid run config (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm start on the task's (prompt, answer) pairs before GRPO."""
+
+    steps: int = 0
+    learning_rate: float = 1e-3
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or not self.learning_rate > 0 or self.batch_size < 1:
+            raise ValueError(f"steps must be >= 0, learning_rate > 0 and batch_size >= 1; got steps {self.steps}, "
+                             f"learning_rate {self.learning_rate}, batch_size {self.batch_size}")
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """After every weight sync vLLM and the trainer score a fixed probe sequence. Over
+    ``tolerance`` (mean |dlogp|) with vLLM's logprobs unchanged means stale weights (the run
+    stops); otherwise it is recorded (``sync/over_tolerance``). Over ``abort_gap`` (or not
+    finite) the engines have blown apart: the run stops as a collapse."""
+
+    tolerance: float = 0.05
+    abort_gap: float = 5.0
+    probe_tokens: int = 32
+    """Tokens of the fixed probe sequence (its first is the prompt: at least 2)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tolerance < self.abort_gap or self.probe_tokens < 2:
+            raise ValueError(f"0 < tolerance < abort_gap and probe_tokens >= 2 are required; got tolerance "
+                             f"{self.tolerance}, abort_gap {self.abort_gap}, probe_tokens {self.probe_tokens}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    task: TaskSpec = field(default_factory=TaskSpec)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    is_correction: str = "off"
+    is_cap: float = 2.0
+    """TRL ``vllm_importance_sampling_cap``: truncation cap / mask bound of the IS ratio."""
+    seed: int = 0
+    steps: int = 100
+    prompts_per_step: int = 8
+    num_generations: int = 4
+    learning_rate: float = 1e-4
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_prompt_length: int = 128
+    max_completion_length: int = 32
+    gradient_checkpointing: bool = False
+    per_device_train_batch_size: int | None = None
+    """Completions per forward/backward micro-batch (TRL's option); ``None``: the whole step.
+    Must divide the completions of a step; the rest is gradient accumulation."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step; ``None``: completions per step / micro-batch size.
+    Given together with ``per_device_train_batch_size``, their product must be the step."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per LM-head + log-softmax chunk when the trainer scores completions
+    (:func:`rpa.measure.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at once."""
+    checkpoint_every: int = 20
+    eval_every: int = 0
+    """Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) every this many
+    steps and after the last one, into ``eval.jsonl`` (0: never)."""
+    old_logprobs: str = "trainer"
+    """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
+    ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
+    them: the mismatch reaches the clip -- "phantom clipping")."""
+    lr_scheduler_type: str = "linear"
+    """Learning-rate schedule over ``steps`` (transformers' ``lr_scheduler_type``): ``linear``
+    (TRL's default, decays to 0 at the last step), ``constant`` (as the published BF16
+    collapses trained), ``cosine``."""
+    updates_per_generation: int = 1
+    """Optimizer steps per generated batch: vLLM samples ``updates_per_generation x
+    prompts_per_step`` prompts at once and the trainer takes that many steps on them in turn
+    (TRL ``steps_per_generation``), so all but the first update are off-policy (old != current)."""
+    num_iterations: int = 1
+    """Updates on each batch (TRL ``num_iterations``, GRPO's mu): > 1 reuses a batch, so the PPO
+    ratio moves away from 1 and the clip acts."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the held-out evaluation (0: greedy), separate from ``temperature``
+    (training's)."""
+    scale_rewards: str = "group"
+    """TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean,
+    divided by the group's std, so a group whose rewards differ by 0.01 still gets unit-size
+    advantages), ``batch`` (divided by the std over the whole step) or ``none`` (centred only,
+    Dr. GRPO). The value in effect is written to every run's summary (``grpo``)."""
+    warm_start: WarmStart = field(default_factory=WarmStart)
+    sync_check: SyncCheck = field(default_factory=SyncCheck)
+    collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
+    report_to: tuple[str, ...] = ()
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of GPU memory the colocated vLLM takes (TRL ``vllm_gpu_memory_utilization``)."""
+    vllm_tensor_parallel_size: int = 1
+    """Ranks per colocated vLLM engine (TRL ``vllm_tensor_parallel_size``); must divide the processes."""
+    vllm_context_slack: int = 8
+    """Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."""
+    vllm_enforce_eager: bool = False
+    """Run the colocated vLLM eager (no ``torch.compile``, no CUDA graphs). Off: vLLM's default
+    compiled engine, as deployed. On CPU the compilation costs ~30 s per run (the compile
+    cache is keyed by the model path, and every run loads its own ``init_model``)."""
+    shuffle_dataset: bool = True
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):
+            if not isinstance(getattr(self, name), bool):
+                raise TrainConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.is_correction not in IS_CORRECTIONS:
+            raise TrainConfigError(f"is_correction: {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}")
+        for name in ("steps", "prompts_per_step", "num_generations", "max_prompt_length", "max_completion_length",
+                     "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise TrainConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
+        if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:
+            raise TrainConfigError("learning_rate > 0, beta >= 0, temperature > 0 and is_cap > 1 are required")
+        if self.warm_start.steps < 0:
+            raise TrainConfigError("warm_start.steps: must be >= 0")
+        if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
+            raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise TrainConfigError(f"lr_scheduler_type: {self.lr_scheduler_type!r} is not one of "
+                                   f"{', '.join(LR_SCHEDULES)}")
+        for name in ("updates_per_generation", "num_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TrainConfigError(f"{name}: must be an integer >= 1, got {value!r}")
+        if isinstance(self.eval_temperature, bool) or not isinstance(self.eval_temperature, (int, float)) \
+                or not self.eval_temperature >= 0:
+            raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
+        if self.old_logprobs == "sampler" and self.is_correction != "off":
+            raise TrainConfigError(
+                f"is_correction: {self.is_correction} with old_logprobs: sampler applies the correction twice (PPO's "
+                f"ratio is then already pi / mu, and TRL multiplies the loss by its clipped pi_old / mu again); "
+                f"use one of them")
+        if self.eval_every < 0:
+            raise TrainConfigError("eval_every: must be >= 0")
+        if self.eval_every and not self.task.eval_prompts:
+            raise TrainConfigError("eval_every: needs task.eval_prompts > 0")
+        if self.eval_every and self.vllm_tensor_parallel_size > 1:
+            raise TrainConfigError("eval_every: the held-out evaluation runs on rank 0's engine alone, which a "
+                                   "tensor-parallel sampler (vllm_tensor_parallel_size > 1) cannot do; "
+                                   "set eval_every 0")
+        if self.vllm_tensor_parallel_size < 1:
+            raise TrainConfigError("vllm_tensor_parallel_size: must be >= 1")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise TrainConfigError("vllm_gpu_memory_utilization: must be in (0, 1]")
+        if self.numerics.device != "auto":
+            raise TrainConfigError("numerics.device: training places the model where accelerate does; leave it 'auto'")
+        self.micro_batching()  # raises on a split that does not add up
+        batch = self.prompts_per_step * self.updates_per_generation
+        if self.task.name in SYNTHETIC and self.task.num_prompts < batch:
+            raise TrainConfigError(f"task.num_prompts: {self.task.num_prompts} prompts cannot fill one generation of "
+                                   f"{batch} (prompts_per_step x updates_per_generation); the run would train nothing")
+
+    def micro_batching(self, world_size: int = 1) -> tuple[int, int]:
+        """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step
+        on ``world_size`` processes: their product times ``world_size`` is the step's completions."""
+        total = self.completions_per_step
+        if total % world_size:
+            raise TrainConfigError(f"the completions per step ({total}) do not split over {world_size} processes")
+        per_rank = total // world_size
+        size, accumulate = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if size is None:
+            size = per_rank // (accumulate or 1)
+        accumulate = accumulate or per_rank // max(size, 1)
+        if size < 1 or accumulate < 1 or size * accumulate != per_rank:
+            raise TrainConfigError(f"per_device_train_batch_size x gradient_accumulation_steps x processes must equal "
+                                   f"the completions per step ({self.prompts_per_step} prompts x "
+                                   f"{self.num_generations} generations = {total}); got "
+                                   f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} x "
+                                   f"{world_size}")
+        return size, accumulate
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise TrainConfigError("a run config is a mapping")
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainConfigError(f"unknown key(s) {', '.join(unknown)}{_did_you_mean(unknown, known)}; "
+                                   f"valid: {', '.join(sorted(known))}")
+        if "model" not in data:
+            raise TrainConfigError("model: required (local directory or hub id)")
+        nested = {"task": TaskSpec, "warm_start": WarmStart, "sync_check": SyncCheck, "collapse": CollapseThresholds}
+        for key, kind in nested.items():
+            if key in data:
+                data[key] = _build(kind, data[key], key)
+        if "numerics" in data:
+            try:
+                data["numerics"] = NumericsConfig.from_dict(data["numerics"])
+            except NumericsConfigError as err:
+                raise TrainConfigError(f"numerics: {err}") from None
+        try:
+            data = typed(cls, data)
+        except FieldTypeError as err:
+            raise TrainConfigError(str(err)) from None
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise TrainConfigError(str(err)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise TrainConfigError(f"{path}: {err}") from None
+        try:
+            return cls.from_dict(data)
+        except TrainConfigError as err:
+            raise TrainConfigError(f"{path}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["numerics"] = self.numerics.to_dict()
+        out["report_to"] = list(self.report_to)
+        return out
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+def _did_you_mean(unknown: list[str], known: set[str]) -> str:
+    import difflib
+
+    guesses = [g for u in unknown for g in difflib.get_close_matches(u, known, n=1)]
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
+def _build(kind, value: Any, key: str):
+    if not isinstance(value, dict):
+        raise TrainConfigError(f"{key}: must be a mapping")
+    names = {f.name for f in fields(kind)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise TrainConfigError(f"{key}: unknown key(s) {', '.join(unknown)}{_did_you_mean(unknown, names)}; "
+                               f"valid: {', '.join(sorted(names))}")
+    try:
+        return kind(**typed(kind, value, prefix=f"{key}."))
+    except FieldTypeError as err:
+        raise TrainConfigError(str(err)) from None
+    except (TaskError, ValueError, TypeError) as err:
+        raise TrainConfigError(f"{key}: {err}") from None

