@@ -169,3 +169,23 @@ def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
     from rpa.measure.diagnose import DiagnoseOptions
 
     assert schema["properties"]["diagnose"]["properties"]["sequences"]["default"] == DiagnoseOptions().sequences
+
+
+def test_the_schemas_numerics_enums_and_dose_range_are_numerics_configs():
+    """Each enum and range of a numerics configuration is written once in rpa.core.numerics_config;
+    the schema (checked before anything loads) must say the same."""
+    from rpa.core import numerics_config as nc
+
+    schema = yaml.safe_load((REPO / "experiments/schema/config.schema.yaml").read_text())
+    numerics = schema["properties"]["probe"]["properties"]["configs"]["additionalProperties"]["properties"]
+    assert numerics["precision"]["enum"] == list(nc.PRECISIONS)
+    assert numerics["trainer_mode"]["enum"] == list(nc.TRAINER_MODES)
+    assert numerics["trainer_positions"]["enum"] == list(nc.TRAINER_POSITIONS)
+    assert numerics["aligned_sides"]["enum"] == list(nc.ALIGNED_SIDES)
+    perturbation = numerics["sampler_perturbation"]
+    assert perturbation["required"] == list(nc.PERTURBATION_KEYS)
+    bits = perturbation["properties"]["mantissa_bits"]
+    dose = schema["properties"]["dose"]["properties"]["doses"]["items"]["anyOf"][0]
+    for spec in (bits, dose):
+        assert (spec["minimum"], spec["maximum"]) == nc.MANTISSA_BITS
+    assert set(numerics) <= set(nc.KEYS)

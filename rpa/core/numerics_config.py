@@ -37,6 +37,22 @@ KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode",
 TRAINER_POSITIONS: tuple[str, ...] = ("auto", "mask", "stock")
 ALIGNED_SIDES: tuple[str, ...] = ("both", "trainer", "sampler")
 PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
+MANTISSA_BITS: tuple[int, int] = (1, 6)
+"""The dose's range of kept mantissa bits (inclusive): BF16 has 7 explicit ones, so 7 would be no dose."""
+
+
+def perturbation_label(bits: int | None) -> str:
+    """``perturb-mantissa4``: the dose's name in file, cache and table names; ``""`` when off."""
+    return "" if bits is None else f"perturb-mantissa{int(bits)}"
+
+
+def check_mantissa_bits(bits) -> int:
+    """The dose's bit count, or :class:`NumericsConfigError` naming the range."""
+    lo, hi = MANTISSA_BITS
+    if isinstance(bits, bool) or not isinstance(bits, int) or not lo <= bits <= hi:
+        raise NumericsConfigError(f"sampler_perturbation mantissa_bits {bits!r}: expected an integer in {lo}..{hi} "
+                                  f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
+    return bits
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -100,10 +116,9 @@ class NumericsConfig:
             raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} needs a region set to apply")
         if self.sampler_perturbation is not None:
             spec = dict(self.sampler_perturbation)
-            if set(spec) != set(PERTURBATION_KEYS) or not isinstance(spec["mantissa_bits"], int) \
-                    or not 1 <= spec["mantissa_bits"] <= 6:
-                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: 1..6}} "
-                                          f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
+            if set(spec) != set(PERTURBATION_KEYS):
+                raise NumericsConfigError(f"sampler_perturbation {spec!r}: expected {{mantissa_bits: K}}")
+            check_mantissa_bits(spec["mantissa_bits"])
             if self.precision != "bf16":
                 raise NumericsConfigError("sampler_perturbation rounds BF16 values: it needs precision bf16")
         if self.precision == "fp16" and self.regions:
@@ -160,9 +175,7 @@ class NumericsConfig:
     @property
     def perturbation_label(self) -> str:
         """``perturb-mantissa4`` (file and table names carry the word), or ``""`` when off."""
-        if self.sampler_perturbation is None:
-            return ""
-        return f"perturb-mantissa{dict(self.sampler_perturbation)['mantissa_bits']}"
+        return perturbation_label(self.mantissa_bits)
 
     @property
     def mantissa_bits(self) -> int | None:

@@ -53,6 +53,7 @@ def stop_capture(llm) -> list[dict[str, Any]]:
 def verify_plugin(llm, regions: frozenset[str], perturbation: int | None = None) -> list[dict[str, Any]]:
     """Fail closed unless every worker aligns exactly ``regions`` in every matching layer and
     perturbs the sampler exactly as requested (``perturbation``: mantissa bits, or None)."""
+    from rpa.core.numerics_config import perturbation_label
     from rpa.core.ops import backend_report
 
     statuses = worker_status(llm)
@@ -105,7 +106,7 @@ def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) 
     from rpa.core.ops import backend_report
 
     kernels = backend_report()
-    dose = "" if perturbation is None else f"-perturb-mantissa{perturbation}"
+    dose = "" if perturbation is None else f"-{perturbation_label(perturbation)}"
     return f"rpa-{format_regions(regions).replace(',', '+')}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
 
 

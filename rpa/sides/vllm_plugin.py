@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from rpa.core import numerics, ops
+from rpa.core.numerics_config import MANTISSA_BITS
 from rpa.core.regions import format_regions, parse_regions
 
 ENV_VAR = "RPA_REGIONS"
@@ -192,8 +193,9 @@ def parse_perturbation(spec: str | None) -> int | None:
     if spec is None or spec.strip().lower() in ("", "none"):
         return None
     key, _, value = spec.partition("=")
-    if key.strip() != "mantissa_bits" or not value.strip().isdigit() or not 1 <= int(value) <= 6:
-        raise ValueError(f"{PERTURB_ENV}={spec!r}: expected 'mantissa_bits=K' with K in 1..6, or 'none'")
+    lo, hi = MANTISSA_BITS
+    if key.strip() != "mantissa_bits" or not value.strip().isdigit() or not lo <= int(value) <= hi:
+        raise ValueError(f"{PERTURB_ENV}={spec!r}: expected 'mantissa_bits=K' with K in {lo}..{hi}, or 'none'")
     return int(value)
 
 

@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
 from rpa.core.regions import RegionError, parse_regions
 
 
@@ -196,7 +196,7 @@ def _train_problems(config: dict[str, Any]) -> list[str]:
 
 def dose_label(dose) -> str:
     """Directory / table name of a dose: ``bf16-none`` (no dose) or ``perturb-mantissa<K>``."""
-    return "bf16-none" if dose in (None, "none") else f"perturb-mantissa{int(dose)}"
+    return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
 
 
 def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
