@@ -119,9 +119,9 @@ def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
     rows = []
     for cfg_path in sorted(results.glob("dose/*/*/seed*/config.json")):
         run = cfg_path.parent
-        arm, setting, seed = run.parts[-3], run.parts[-2], int(run.name.removeprefix("seed"))
-        correction, old = setting.rsplit("-", 1)
+        arm, seed = run.parts[-3], int(run.name.removeprefix("seed"))
         cfg = json.loads(cfg_path.read_text())
+        correction, old = cfg["is_correction"], cfg["old_logprobs"]  # what the run ran, not its folder's name
         metrics = read_jsonl(run / "metrics.jsonl")
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
         evals = read_jsonl(run / "eval.jsonl")

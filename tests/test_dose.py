@@ -119,8 +119,9 @@ def _synthetic_run(root, arm="perturb-mantissa2", setting="off-sampler", seed=0,
     """A run whose reward falls from step 15 (collapse at step 17) and whose mismatch jumps 5x at step ``jump``."""
     run = root / "dose" / arm / setting / f"seed{seed}"
     run.mkdir(parents=True)
+    correction, old = setting.rsplit("-", 1)
     (run / "config.json").write_text(json.dumps({"numerics": {"sampler_perturbation": {"mantissa_bits": 2}},
-                                                 "collapse": {}}))
+                                                 "is_correction": correction, "old_logprobs": old, "collapse": {}}))
     (run / "summary.json").write_text(json.dumps({"status": "ok"}))
     rows = []
     for step in range(1, steps + 1):
@@ -232,3 +233,12 @@ def test_the_sensitivity_table_counts_collapses_under_every_variation(tmp_path):
     assert expected["drop 0.4"] != expected["drop 0.6"]  # the variations differ on these runs
     by_variation = dose.sensitivity_thresholds(runs)
     assert set(by_variation["variation"]) == set(labels)
+
+
+def test_a_runs_setting_is_read_from_its_config_not_its_folder_name(tmp_path):
+    _synthetic_run(tmp_path, setting="off-sampler")
+    path = tmp_path / "dose/perturb-mantissa2/off-sampler/seed0/config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "is_correction": "token_truncate", "old_logprobs": "trainer"}))
+    row = dose.load_runs(tmp_path).iloc[0]
+    assert (row["is_correction"], row["old_logprobs"]) == ("token_truncate", "trainer")
