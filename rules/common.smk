@@ -2,9 +2,9 @@
 
 import re
 
-from rpa.workflow.pipeline import (dose_init_config, dose_points, model_location, numerics_flags, probe_flags,
-                                   search_points, study_arm_names, study_init_config, study_points, study_resources,
-                                   tiny_flags, train_points)
+from rpa.workflow.pipeline import (diagnose_job, dose_init_config, dose_points, model_location, parity_job,
+                                   probe_job, search_points, study_arm_names, study_init_config, study_points,
+                                   study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -83,3 +83,14 @@ def probe_tables(wildcards=None):
 def analysis_figures(wildcards=None):
     names = ["mismatch", "dlogp_vs_prob"] + (["layers"] if DIAGNOSE else [])  # no diagnosis, no layer figure
     return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=names)
+
+
+def write_job(path, job):
+    """A job's file (what `rpa probe|diagnose|parity --config` reads), written whole or not at all."""
+    import os
+    import yaml
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(job, f, sort_keys=False)
+    os.replace(tmp, path)

@@ -1,4 +1,18 @@
-# Stage: per-layer divergence of the two engines on the sampler's tokens.
+# Stage: per-layer divergence of the two engines on the sampler's tokens (one job file a cell).
+
+
+localrules:
+    write_diagnose_job,
+
+
+rule write_diagnose_job:
+    output:
+        f"{R}/jobs/diagnose/{{model}}/{{numerics}}.yaml",
+    params:
+        job=lambda wc: diagnose_job(config, start_path(wc), wc.numerics,
+                                    f"{R}/probe/{wc.model}/{SAMPLER}/completions.jsonl", DEVICE),
+    run:
+        write_job(output[0], params.job)
 
 
 rule diagnose:
@@ -6,14 +20,12 @@ rule diagnose:
         model=start_input,
         parity=f"{R}/parity/{{model}}.json",
         completions=f"{R}/probe/{{model}}/{SAMPLER}/completions.jsonl",
+        job=f"{R}/jobs/diagnose/{{model}}/{{numerics}}.yaml",
     output:
         layers=f"{R}/diagnose/{{model}}/{{numerics}}/layers.csv",
         summary=f"{R}/diagnose/{{model}}/{{numerics}}/summary.json",
     params:
-        model=start_path,
         out=lambda wc: f"{R}/diagnose/{wc.model}/{wc.numerics}",
-        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
-        sequences=config["diagnose"]["sequences"],
         launch=gpu_launch(GPU),
     log:
         f"{R}/logs/diagnose/{{model}}/{{numerics}}.log",
@@ -25,5 +37,4 @@ rule diagnose:
         gpu=GPU,
     shell:
         # Snakemake decided this cell runs again: the options recorded by its last run give way
-        "rm -f {params.out}/options.json && {params.launch}rpa diagnose --model {params.model} {params.numerics} --sequences {params.sequences} "
-        "--completions {input.completions} --out {params.out} > {log} 2>&1"
+        "rm -f {params.out}/options.json && {params.launch}rpa diagnose --config {input.job} --out {params.out} > {log} 2>&1"

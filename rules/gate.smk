@@ -1,15 +1,26 @@
-# Stage: the parity gate. A model whose parity check fails gets no probe.
+# Stage: the parity gate. A model whose parity check fails gets no probe. One job file a model.
+
+
+localrules:
+    write_parity_job,
+
+
+rule write_parity_job:
+    output:
+        f"{R}/jobs/parity/{{model}}.yaml",
+    params:
+        job=lambda wc: parity_job(config, start_path(wc), DEVICE),
+    run:
+        write_job(output[0], params.job)
 
 
 rule parity:
     input:
         start_input,
+        job=f"{R}/jobs/parity/{{model}}.yaml",
     output:
         f"{R}/parity/{{model}}.json",
     params:
-        model=start_path,
-        regions=config["parity"]["regions"],
-        compiled="--compiled" if config["parity"]["compiled"] else "",
         launch=gpu_launch(GPU),
     log:
         f"{R}/logs/parity/{{model}}.log",
@@ -20,5 +31,4 @@ rule parity:
         runtime=30,
         gpu=GPU,
     shell:
-        "{params.launch}rpa parity --model {params.model} --regions {params.regions} {params.compiled} "
-        "--device {DEVICE} --out {output} > {log} 2>&1"
+        "{params.launch}rpa parity --config {input.job} --out {output} > {log} 2>&1"

@@ -1,9 +1,5 @@
 # Stage: the probe grid. One configuration (the sampler) samples; every other configuration
-# scores those identical tokens.
-
-
-def probe_options():
-    return probe_flags(config)  # rpa.workflow.pipeline: the flags ProbeOptions reads back
+# scores those identical tokens. Each cell is one job file (`rpa probe --config`), written here.
 
 
 def probe_completions(wildcards):
@@ -13,20 +9,30 @@ def probe_completions(wildcards):
     return [f"{R}/probe/{wildcards.model}/{SAMPLER}/completions.jsonl"]
 
 
+localrules:
+    write_probe_job,
+
+
+rule write_probe_job:
+    output:
+        f"{R}/jobs/probe/{{model}}/{{numerics}}.yaml",
+    params:
+        job=lambda wc: probe_job(config, start_path(wc), wc.numerics, (probe_completions(wc) or [None])[0], DEVICE),
+    run:
+        write_job(output[0], params.job)
+
+
 rule probe:
     input:
         model=start_input,
         parity=f"{R}/parity/{{model}}.json",
         completions=probe_completions,
+        job=f"{R}/jobs/probe/{{model}}/{{numerics}}.yaml",
     output:
         summary=f"{R}/probe/{{model}}/{{numerics}}/summary.json",
         tokens=f"{R}/probe/{{model}}/{{numerics}}/tokens.csv",
     params:
-        model=start_path,
         out=lambda wc: f"{R}/probe/{wc.model}/{wc.numerics}",
-        numerics=lambda wc: numerics_flags(PROBE["configs"][wc.numerics]) + f" --device {DEVICE}",
-        completions=lambda wc, input: f"--completions {input.completions[0]}" if input.completions else "",
-        options=probe_options(),
         launch=gpu_launch(GPU),
     log:
         f"{R}/logs/probe/{{model}}/{{numerics}}.log",
@@ -38,8 +44,7 @@ rule probe:
         gpu=GPU,
     shell:
         # Snakemake decided this cell runs again: the options recorded by its last run give way
-        "rm -f {params.out}/options.json && {params.launch}rpa probe --model {params.model} {params.numerics} {params.options} {params.completions} "
-        "--out {params.out} > {log} 2>&1"
+        "rm -f {params.out}/options.json && {params.launch}rpa probe --config {input.job} --out {params.out} > {log} 2>&1"
 
 
 # The sampler's own probe run samples the completions every other configuration scores.

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from rpa.workflow.pipeline import PipelineConfigError, check_config, numerics_flags, tiny_flags
+from rpa.workflow.pipeline import PipelineConfigError, check_config, numerics_options, tiny_flags
 from tests.conftest import REPO, assert_figure, tail
 
 DEFAULT = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
@@ -52,9 +52,20 @@ def test_check_config_names_every_bad_entry():
         assert needle in text
 
 
-def test_flags_render_for_the_cli():
-    assert numerics_flags({"regions": "rope,swiglu", "lm_head_fp32": True}) == (
-        "--regions rope,swiglu --precision bf16 --trainer-mode compute --lm-head-fp32")
+def test_a_numerics_entry_becomes_the_clis_options_and_back(tmp_path):
+    """probe.configs entry -> job file -> the NumericsConfig rpa probe builds: the identity."""
+    from rpa.cli import _numerics, _with_job_config, build_parser
+    from rpa.core.numerics_config import NumericsConfig
+
+    for entry in ({"regions": "rope,swiglu", "lm_head_fp32": True}, {"regions": "none", "precision": "fp32"},
+                  {"regions": "none", "sampler_perturbation": {"mantissa_bits": 3}},
+                  {"regions": "all", "aligned_sides": "trainer", "trainer_positions": "stock"}):
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump({"model": "m", **numerics_options(entry, "cpu")}))
+        argv = ["probe", "--config", str(job), "--out", "o"]
+        parser = build_parser()
+        args = _with_job_config(parser, argv, parser.parse_args(argv))
+        assert _numerics(args) == NumericsConfig.from_dict({**entry, "device": "cpu"}), entry
     assert tiny_flags({"arch": "qwen2", "tie_word_embeddings": False, "num_hidden_layers": 4}) == (
         "--arch qwen2 --no-tie-word-embeddings --num-hidden-layers 4")
 
@@ -136,19 +147,22 @@ def test_lock_checker_finds_conflicts_and_missing_pins():
     assert not lock._wheel_fits("torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl", "3.11")
 
 
-def test_probe_options_have_one_owner_from_config_to_flags_and_back():
-    """The probe: section, the flags the rule writes and the flags rpa probe reads are one
-    dataclass (rpa.measure.probe.ProbeOptions): config -> flags -> parsed options is the identity, and a
-    bad range is reported by the dataclass for the config as for the command line."""
-    import shlex
-
-    from rpa.cli import _probe_options, build_parser
-    from rpa.workflow.pipeline import probe_flags, probe_options
+def test_probe_options_have_one_owner_from_config_to_job_file_and_back(tmp_path):
+    """The probe: section, the job file the rule writes and the options rpa probe reads are one
+    dataclass (rpa.measure.probe.ProbeOptions): config -> job file -> parsed options is the identity,
+    and a bad range is reported by the dataclass for the config as for the command line."""
+    from rpa.cli import _probe_options, _with_job_config, build_parser
+    from rpa.workflow.pipeline import probe_job, probe_options
 
     config = copy.deepcopy(DEFAULT)
     config["probe"].update(prompts=7, ratio_band=[0.5, 2.0], compiled=True)
-    argv = ["probe", "--model", "m", "--regions", "all", "--out", "o", *shlex.split(probe_flags(config))]
-    assert _probe_options(build_parser().parse_args(argv)) == probe_options(config)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(probe_job(config, "m", "rope", "c.jsonl", "cpu")))
+    argv = ["probe", "--config", str(job), "--out", "o"]
+    parser = build_parser()
+    args = _with_job_config(parser, argv, parser.parse_args(argv))
+    assert _probe_options(args) == probe_options(config)
+    assert (args.model, args.regions, args.completions, args.device) == ("m", "rope", "c.jsonl", "cpu")
     config["probe"]["ratio_band"] = [1.25, 0.8]
     with pytest.raises(PipelineConfigError, match="probe: ratio_band must satisfy 0 < lo < 1 < hi"):
         check_config(config)

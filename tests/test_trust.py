@@ -22,13 +22,16 @@ def test_probe_parity_and_diagnose_score_the_warm_started_checkpoint(tmp_path):
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
     commands = [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
-    probes = [c[c.index("rpa probe --model"):] for c in commands if "rpa probe --model" in c]
+    probes = [c for c in commands if "rpa probe --config" in c]
     assert len(probes) == len(STUDY_CPU["models"]) * len(STUDY_CPU["probe"]["configs"])
-    for line in probes:
-        model = line.split("--model ")[1].split()[0]
-        assert model.startswith(f"{res}/study/") and model.endswith("/init"), line  # not .../models/<name>
-    parity = [c for c in commands if c.startswith("rpa parity --model")]
-    assert parity and all("/init " in line for line in parity)
+    jobs = sorted({c.split("--config ")[1].split()[0] for c in commands if "--config " in c and "/jobs/" in c})
+    assert len(jobs) == len(probes) + len(STUDY_CPU["models"]) * (1 + len(STUDY_CPU["diagnose"]["configs"]))
+    # write the job files (local rules, no engine) and read the checkpoint each job scores
+    proc = snakemake("--cores", "1", *jobs, "--configfile", "experiments/study-cpu.yaml", "--config", f"results={res}")
+    assert proc.returncode == 0, tail(proc)
+    for job in jobs:
+        model = yaml.safe_load(open(job))["model"]
+        assert model.startswith(f"{res}/study/") and model.endswith("/init"), job  # not .../models/<name>
 
 
 def test_probe_mode_must_match_the_engine_training_samples_with():

@@ -1,4 +1,4 @@
-"""What the Snakefile needs from rpa: semantic config checks and CLI flag rendering.
+"""What the Snakefile needs from rpa: semantic config checks, grid expansion and the jobs' files.
 
 The JSON schema (``experiments/schema/config.schema.yaml``) checks the shape of the config;
 :func:`check_config` checks what a schema cannot: region names, numerics combinations
@@ -50,11 +50,37 @@ def probe_options(config: dict[str, Any]):
     return ProbeOptions(**given)
 
 
-def probe_flags(config: dict[str, Any]) -> str:
-    """``rpa probe`` flags for the config's probe options (:func:`rpa.core.fieldtypes.to_flags`)."""
-    from rpa.core.fieldtypes import to_flags
+def _job(options: dict[str, Any]) -> dict[str, Any]:
+    """A job file's mapping: tuples as YAML lists (``yaml.safe_dump`` writes no tuples)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
 
-    return to_flags(probe_options(config), names=tuple(config["probe"]))
+
+def numerics_options(numerics: dict[str, Any], device: str) -> dict[str, Any]:
+    """One ``probe.configs`` entry as ``rpa probe``/``rpa diagnose`` options (their ``--config`` keys:
+    the flags' names), checked by :class:`NumericsConfig` and read back by the CLI into the same one."""
+    n = NumericsConfig.from_dict({**numerics, "device": device}).to_dict()
+    bits = (n.pop("sampler_perturbation") or {}).get("mantissa_bits")
+    return {**n, "sampler_mantissa_bits": bits}
+
+
+def probe_job(config: dict[str, Any], model: str, numerics: str, completions: str | None, device: str) -> dict:
+    """The ``rpa probe --config`` file of one probe cell: model, numerics, every probe option."""
+    import dataclasses
+
+    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
+                 **dataclasses.asdict(probe_options(config)), "completions": completions})
+
+
+def diagnose_job(config: dict[str, Any], model: str, numerics: str, completions: str, device: str) -> dict:
+    """The ``rpa diagnose --config`` file of one diagnosis cell."""
+    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
+                 "sequences": config["diagnose"]["sequences"], "completions": completions})
+
+
+def parity_job(config: dict[str, Any], model: str, device: str) -> dict:
+    """The ``rpa parity --config`` file of one model's gate."""
+    return _job({"model": model, "regions": config["parity"]["regions"], "compiled": config["parity"]["compiled"],
+                 "device": device})
 
 
 def check_config(config: dict[str, Any]) -> None:
@@ -97,21 +123,6 @@ def check_config(config: dict[str, Any]) -> None:
         problems += _search_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
-
-
-def numerics_flags(numerics: dict[str, Any]) -> str:
-    """``rpa probe``/``rpa diagnose`` flags for one entry of ``probe.configs``."""
-    n = NumericsConfig.from_dict(numerics).to_dict()
-    flags = ["--regions", n["regions"], "--precision", n["precision"], "--trainer-mode", n["trainer_mode"]]
-    if n["lm_head_fp32"]:
-        flags.append("--lm-head-fp32")
-    if n["trainer_positions"] != "auto":
-        flags += ["--trainer-positions", n["trainer_positions"]]
-    if n["aligned_sides"] != "both":
-        flags += ["--aligned-sides", n["aligned_sides"]]
-    if n["sampler_perturbation"]:
-        flags += ["--sampler-mantissa-bits", str(n["sampler_perturbation"]["mantissa_bits"])]
-    return shlex.join(flags)
 
 
 def tiny_flags(spec: dict[str, Any]) -> str:
