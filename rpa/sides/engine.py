@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rpa.core.numerics_config import perturbation_label
 from rpa.core.regions import REGIONS, format_regions, parse_regions
 from rpa.sides.vllm_plugin import ENV_VAR, PERTURB_ENV
 
@@ -53,7 +54,6 @@ def stop_capture(llm) -> list[dict[str, Any]]:
 def verify_plugin(llm, regions: frozenset[str], perturbation: int | None = None) -> list[dict[str, Any]]:
     """Fail closed unless every worker aligns exactly ``regions`` in every matching layer and
     perturbs the sampler exactly as requested (``perturbation``: mantissa bits, or None)."""
-    from rpa.core.numerics_config import perturbation_label
     from rpa.core.ops import backend_report
 
     statuses = worker_status(llm)
