@@ -195,11 +195,48 @@ def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
     claim(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
     line = refused(capsys, probe(model, out, "--seed", "1"), "made with other options (seed: 0 -> 1)")
     assert "use another directory" in line
-    assert sorted(p.name for p in out.iterdir()) == ["options.json"]  # nothing else written
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "options.json"]  # nothing else written
     # the same options again are accepted (a rerun restarts cleanly): the check passes up front
     from rpa.core.outdir import check_options
 
     check_options(out, "probe", recorded_options(str(model), numerics, ProbeOptions(seed=0), None))
+
+
+def test_a_finished_probe_started_again_does_nothing(model, tmp_path):
+    """Same options + a summary (written last): the run returns that summary without starting
+    an engine; without the options record (Snakemake's forced rerun removes it) it would run."""
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.outdir import claim, finished
+    from rpa.core.regions import parse_regions
+    from rpa.measure.probe import ProbeOptions, recorded_options, run_probe
+
+    out = tmp_path / "o"
+    numerics = NumericsConfig(regions=parse_regions("all"))
+    options = recorded_options(str(model), numerics, ProbeOptions(seed=0), None)
+    assert claim(out, "probe", options) == (out, None)  # a new directory: run it
+    (out / "summary.json").write_text(json.dumps({"schema": "rpa.probe/1", "mark": 7}))
+    assert run_probe(str(model), numerics, out, ProbeOptions(seed=0)) == {"schema": "rpa.probe/1", "mark": 7}
+    assert finished(out, "probe", {**options, "seed": 1}) is None  # other options: not this run's result
+    (out / "options.json").unlink()
+    assert finished(out, "probe", options) is None
+
+
+def test_a_directory_another_process_runs_is_refused(tmp_path):
+    import fcntl
+
+    from rpa.core.outdir import DirectoryBusy, lock_dir
+
+    out = tmp_path / "o"
+    out.mkdir()
+    other = open(out / ".lock", "a+")  # another holder: a second open file description, as a process has
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    other.write("pid 4242")
+    other.flush()
+    with pytest.raises(DirectoryBusy, match="in use by a running rpa probe \\(pid 4242\\)"):
+        lock_dir(out, "probe")
+    other.close()  # the holder ends: its lock dies with it
+    lock_dir(out, "probe")
+    lock_dir(out, "probe")  # this process holds it: taking it again is a no-op
 
 
 def test_a_misspelt_arm_key_is_reported_once_with_a_suggestion():

@@ -1,7 +1,9 @@
-"""Output directories of the measuring commands (``rpa probe``, ``rpa diagnose``): each records
-the options it was made with (``options.json``), and a rerun into it with other options is
-refused, naming the keys that differ, instead of leaving one run's files beside another's.
-A rerun with the same options writes the directory again.
+"""Output directories of the measuring commands (``rpa probe``, ``rpa diagnose``): one process
+runs a directory at a time (``.lock``, an ``flock`` that dies with its process); each records the
+options it was made with (``options.json``), and a rerun into it with other options is refused,
+naming the keys that differ, instead of leaving one run's files beside another's. A rerun with
+the same options into a finished directory (its ``summary.json`` is written last) does nothing;
+into an unfinished one it runs again.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rpa.core.errors import InputError
+from rpa.core.errors import InputError, UserError
 from rpa.core.jsonfiles import write_json
 
 OPTIONS_FILE = "options.json"
@@ -19,6 +21,38 @@ OPTIONS_FILE = "options.json"
 
 class OutputDirectoryTaken(InputError):
     """``--out`` holds the output of the same command run with other options."""
+
+
+class DirectoryBusy(UserError):
+    """Another process runs the directory."""
+
+
+LOCK_FILE = ".lock"
+_HELD: dict[str, Any] = {}  # directory -> the open lock file this process holds (for its lifetime)
+
+
+def lock_dir(out: str | Path, command: str, busy: type[DirectoryBusy] = DirectoryBusy) -> None:
+    """Hold an exclusive lock on ``out/.lock`` for the life of this process, or raise ``busy``.
+    ``flock`` locks die with their process, so a killed run leaves no stale lock."""
+    import fcntl
+
+    key = str(Path(out).resolve())
+    if key in _HELD:
+        return  # this process holds it already
+    handle = open(Path(out) / LOCK_FILE, "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise busy(f"{out} is in use by a running rpa {command} ({holder}); wait for it to finish "
+                   f"or use another directory") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    _HELD[key] = handle
 
 
 def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -64,11 +98,31 @@ def check_options(out: str | Path, command: str, options: dict[str, Any]) -> Non
                                    f"directory or delete it")
 
 
-def claim(out: str | Path, command: str, options: dict[str, Any]) -> Path:
-    """Create ``out`` (if needed) for ``command`` with ``options``, recording them; refused
-    as :func:`check_options` refuses."""
-    check_options(out, command, options)
+def finished(out: str | Path, command: str, options: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of ``command`` already run to the end with ``options`` in ``out``, else None."""
+    record, summary = Path(out) / OPTIONS_FILE, Path(out) / "summary.json"
+    if not (record.is_file() and summary.is_file()):
+        return None
+    try:
+        recorded = json.loads(record.read_text())
+        done = json.loads(summary.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = recorded.get("command") == command and not differing_keys(recorded.get("options", {}), options)
+    return done if same else None
+
+
+def claim(out: str | Path, command: str, options: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
+    """Take ``out`` for ``command`` with ``options``: create it, lock it for this process
+    (:class:`DirectoryBusy` while another runs it) and return ``(out, summary)`` where it holds
+    a finished run with these options (nothing to do), else ``(out, None)`` after recording them
+    (refused as :func:`check_options` refuses)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    lock_dir(out, command)
+    done = finished(out, command, options)
+    if done is not None:
+        return out, done
+    check_options(out, command, options)
     write_json(out / OPTIONS_FILE, {"command": command, "options": options})
-    return out
+    return out, None

@@ -155,7 +155,10 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     from rpa.core.outdir import claim
     from rpa.core.provenance import provenance
 
-    out = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed))
+    out, done = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed))
+    if done is not None:
+        log("diagnose", f"{out}: finished with these options already; nothing to do (delete it to run again)")
+        return done
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
     log("diagnose", f"{model}: {numerics.to_dict()}, {len(sequences)} sequences")

@@ -126,7 +126,10 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     from rpa.core.outdir import claim
     from rpa.core.provenance import provenance
 
-    out = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path))
+    out, done = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path))
+    if done is not None:
+        _log(f"{out}: finished with these options already; nothing to do (delete it to run again)")
+        return done
     t0 = time.time()
     started = provenance()  # the code that ran is the code at the start
     hf_config = AutoConfig.from_pretrained(model)

@@ -220,7 +220,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     main = rank() == 0  # under accelerate launch: rank 0 owns the run directory's files
-    lock = lock_run_dir(out) if main else None  # noqa: F841 - held until this process ends
+    if main:
+        lock_run_dir(out)  # held until this process ends
     if not main:
         _log(f"joining the run in {out} (rank 0 owns its files)")
     cfg_path = out / "config.json"

@@ -8,41 +8,24 @@ Layout: ``config.json``, ``init_model/``, ``checkpoint-N/``, ``metrics.jsonl``, 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from rpa.core.errors import UserError
 from rpa.core.jsonfiles import read_jsonl, write_text
-from rpa.core.outdir import differing_keys
+from rpa.core.outdir import DirectoryBusy, differing_keys, lock_dir
 from rpa.train.config import TrainConfig, TrainConfigError
 
 
-class RunDirectoryBusy(UserError):
+class RunDirectoryBusy(DirectoryBusy):
     """Another ``rpa train`` holds the run directory."""
 
 
-def lock_run_dir(out: Path):
+def lock_run_dir(out: Path) -> None:
     """An exclusive lock on ``out/.lock`` for the life of this process, or
-    :class:`RunDirectoryBusy`. ``flock`` locks die with their process, so a killed run
-    leaves no stale lock: its rerun resumes."""
-    import fcntl
-
-    handle = open(out / ".lock", "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise RunDirectoryBusy(f"{out} is in use by a running rpa train ({holder}); wait for it to finish "
-                               f"or use another directory") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
-    return handle
+    :class:`RunDirectoryBusy` (:func:`rpa.core.outdir.lock_dir`): a killed run leaves no stale
+    lock, so its rerun resumes."""
+    lock_dir(out, "train", RunDirectoryBusy)
 
 
 def config_diff(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
