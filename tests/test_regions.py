@@ -23,3 +23,11 @@ def test_bad_names_list_valid_ones(spec):
 @pytest.mark.parametrize("spec", ["none", "all", "rope", "swiglu", "rmsnorm", "rope,swiglu", "swiglu,rmsnorm"])
 def test_format_roundtrip(spec):
     assert format_regions(parse_regions(spec)) == spec
+
+
+def test_region_label_is_the_file_system_form_of_either_representation():
+    from rpa.core.regions import region_label
+
+    assert region_label("swiglu,rope") == region_label(frozenset({"rope", "swiglu"})) == "rope+swiglu"
+    assert region_label("all") == region_label(frozenset(REGIONS)) == "all"
+    assert region_label(frozenset()) == region_label("none") == "none"

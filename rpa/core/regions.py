@@ -48,3 +48,9 @@ def format_regions(regions: frozenset[str] | set[str]) -> str:
     if set(regions) == set(REGIONS):
         return "all"
     return ",".join(r for r in REGIONS if r in regions)
+
+
+def region_label(regions: str | frozenset[str] | set[str]) -> str:
+    """File-system form of a region set (``rope,swiglu`` -> ``rope+swiglu``): directory and cache names."""
+    text = format_regions(parse_regions(regions) if isinstance(regions, str) else regions)
+    return text.replace(",", "+")

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from rpa.core.numerics_config import perturbation_label
-from rpa.core.regions import REGIONS, format_regions, parse_regions
+from rpa.core.regions import REGIONS, format_regions, parse_regions, region_label
 from rpa.sides.vllm_plugin import ENV_VAR, PERTURB_ENV
 
 
@@ -107,7 +107,7 @@ def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) 
 
     kernels = backend_report()
     dose = "" if perturbation is None else f"-{perturbation_label(perturbation)}"
-    return f"rpa-{format_regions(regions).replace(',', '+')}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
+    return f"rpa-{region_label(regions)}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
 
 
 def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
-from rpa.core.regions import RegionError, parse_regions
+from rpa.core.regions import RegionError, parse_regions, region_label
 
 
 class PipelineConfigError(ValueError):
@@ -135,13 +135,6 @@ def tiny_flags(spec: dict[str, Any]) -> str:
         else:
             flags += [flag, str(value)]
     return shlex.join(flags)
-
-
-def region_label(regions: str) -> str:
-    """File-system form of a region set (``rope,swiglu`` -> ``rope+swiglu``)."""
-    from rpa.core.regions import format_regions
-
-    return format_regions(parse_regions(regions)).replace(",", "+")
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
