@@ -26,10 +26,17 @@ def test_probe_parity_and_diagnose_score_the_warm_started_checkpoint(tmp_path):
     assert len(probes) == len(STUDY_CPU["models"]) * len(STUDY_CPU["probe"]["configs"])
     jobs = sorted({c.split("--config ")[1].split()[0] for c in commands if "--config " in c and "/jobs/" in c})
     assert len(jobs) == len(probes) + len(STUDY_CPU["models"]) * (1 + len(STUDY_CPU["diagnose"]["configs"]))
-    # write the job files (local rules, no engine) and read the checkpoint each job scores
-    proc = snakemake("--cores", "1", *jobs, "--configfile", "experiments/study-cpu.yaml", "--config", f"results={res}")
+    # write a parity job and two probe jobs (the sampler's and one scoring its tokens) per model --
+    # local rules, no engine -- and read the checkpoint each scores (one rule writes every probe job)
+    sampler, other = STUDY_CPU["probe"]["sampler"], next(c for c in STUDY_CPU["probe"]["configs"]
+                                                         if c != STUDY_CPU["probe"]["sampler"])
+    some = [j for j in jobs if "/jobs/parity/" in j or j.endswith((f"/{sampler}.yaml", f"/{other}.yaml"))]
+    assert len(some) == 3 * len(STUDY_CPU["models"])
+    proc = snakemake("--cores", "1", *some, "--configfile", "experiments/study-cpu.yaml", "--config", f"results={res}")
     assert proc.returncode == 0, tail(proc)
-    for job in jobs:
+    assert yaml.safe_load(open(next(j for j in some if j.endswith(f"/{other}.yaml"))))["completions"].endswith(
+        f"/{sampler}/completions.jsonl")  # the other configurations score the sampler's tokens
+    for job in some:
         model = yaml.safe_load(open(job))["model"]
         assert model.startswith(f"{res}/study/") and model.endswith("/init"), job  # not .../models/<name>
 
