@@ -87,10 +87,7 @@ def analysis_figures(wildcards=None):
 
 def write_job(path, job):
     """A job's file (what `rpa probe|diagnose|parity --config` reads), written whole or not at all."""
-    import os
     import yaml
+    from rpa.core.jsonfiles import write_text
 
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        yaml.safe_dump(job, f, sort_keys=False)
-    os.replace(tmp, path)
+    write_text(path, yaml.safe_dump(job, sort_keys=False))

@@ -53,6 +53,8 @@ def check_mantissa_bits(bits) -> int:
         raise NumericsConfigError(f"sampler_perturbation mantissa_bits {bits!r}: expected an integer in {lo}..{hi} "
                                   f"(BF16 has 7 explicit mantissa bits; 7 would be no perturbation)")
     return bits
+
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 

@@ -81,35 +81,40 @@ def differing_keys(recorded: dict[str, Any], requested: dict[str, Any]) -> list[
             if resolved(a.get(k)) != resolved(b.get(k))]
 
 
-def check_options(out: str | Path, command: str, options: dict[str, Any]) -> None:
-    """Refuse ``out`` if it records ``command`` run with other ``options`` (nothing is written)."""
+def _recorded_diff(out: str | Path, command: str, options: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """(the recorded command, how its options differ from ``command`` with ``options``) for ``out``'s
+    ``options.json``; None where it has no readable record."""
     path = Path(out) / OPTIONS_FILE
     if not path.is_file():
-        return
+        return None
     try:
         recorded = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return  # not a record this module wrote (its writes are atomic): claim the directory anew
-    diff = differing_keys(recorded.get("options", {}), options) if recorded.get("command") == command else \
-        [f"command: {recorded.get('command')!r} -> {command!r}"]
-    if diff:
-        raise OutputDirectoryTaken(f"--out {out} holds rpa {recorded.get('command')} output made with other options "
+        return None  # not a record this module wrote (its writes are atomic): claim the directory anew
+    if recorded.get("command") != command:
+        return recorded.get("command"), [f"command: {recorded.get('command')!r} -> {command!r}"]
+    return command, differing_keys(recorded.get("options", {}), options)
+
+
+def check_options(out: str | Path, command: str, options: dict[str, Any]) -> None:
+    """Refuse ``out`` if it records ``command`` run with other ``options`` (nothing is written)."""
+    record = _recorded_diff(out, command, options)
+    if record and record[1]:
+        was, diff = record
+        raise OutputDirectoryTaken(f"--out {out} holds rpa {was} output made with other options "
                                    f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}); use another "
                                    f"directory or delete it")
 
 
 def finished(out: str | Path, command: str, options: dict[str, Any]) -> dict[str, Any] | None:
     """The summary of ``command`` already run to the end with ``options`` in ``out``, else None."""
-    record, summary = Path(out) / OPTIONS_FILE, Path(out) / "summary.json"
-    if not (record.is_file() and summary.is_file()):
+    record, summary = _recorded_diff(out, command, options), Path(out) / "summary.json"
+    if record is None or record[1] or not summary.is_file():
         return None
     try:
-        recorded = json.loads(record.read_text())
-        done = json.loads(summary.read_text())
+        return json.loads(summary.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    same = recorded.get("command") == command and not differing_keys(recorded.get("options", {}), options)
-    return done if same else None
 
 
 def claim(out: str | Path, command: str, options: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
