@@ -373,3 +373,55 @@ def test_phantom_clipping_binds_only_past_the_clip_in_the_advantages_direction()
     got = [phantom_clipped(trainer, sampler, a.reshape(1), 0.2, 0.28)[0].tolist() for a in advantages]
     # ratio 1.3 > 1.28 with A > 0 binds; 0.7 < 0.8 with A < 0 binds; the other pairings and 1.1 do not
     assert [row[i] for i, row in enumerate(got)] == [True, False, False, True, False]
+
+
+def _rollout():
+    """One rank's scored rollout as TRL returns it: 3 completions of 4 tokens, the last token of
+    row 2 padding; row 1 token 2 is a token vLLM gave a -inf logprob, row 2's pad a NaN."""
+    import torch
+
+    sampling = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-0.2, -3.0, float("-inf"), -1.0], [-1.1, -0.9, -2.2, float("nan")]])
+    trainer = sampling.nan_to_num(0.0, neginf=-4.0) + torch.tensor([[0.0, 0.3, -0.3, 0.01]] * 3)
+    out = {"sampling_per_token_logps": sampling, "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]),
+           "advantages": torch.tensor([1.0, -1.0, 1.0]), "old_per_token_logps": trainer.clone()}
+    return out, trainer
+
+
+@pytest.mark.parametrize("source", ["sampler", "trainer"])
+def test_finished_rollout_takes_old_logprobs_from_the_configured_side_and_drops_nonfinite_tokens(source):
+    import torch
+
+    from rpa.train.trl_adapter import finish_rollout
+
+    out, trainer = _rollout()
+    sampling = out["sampling_per_token_logps"]
+    local, bad = finish_rollout(out, trainer, old_logprobs=source, epsilon_low=0.2, epsilon_high=0.28, row_offset=6)
+    assert bad.tolist() == [[False] * 4, [False, False, True, False], [False] * 4]  # the pad's NaN is not a token
+    assert out["completion_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 0]]
+    kept = out["completion_mask"].bool()
+    pi, mu, rows, clipped = local
+    assert (pi, mu) == (trainer[kept].double().tolist(), sampling[kept].double().tolist())
+    assert rows == [6] * 4 + [7] * 3 + [8] * 3  # global row ids: this rank's rows after the offset
+    # ratio e^0.3 = 1.35 > 1.28 with A > 0 binds (rows 0 and 2, token 1); row 1's token 2 (A < 0, ratio 0.74) would
+    # bind too, but it is the dropped -inf token
+    assert clipped == [False, True, False, False, False, False, False, False, True, False]
+    old = out["old_per_token_logps"]
+    if source == "trainer":
+        assert torch.equal(old, trainer)  # TRL's own pi_old untouched
+    else:
+        finite = torch.isfinite(sampling)
+        assert torch.equal(old[finite], sampling[finite])  # PPO's ratio is pi/mu, bit for bit
+        assert torch.equal(old[~finite], trainer[~finite])  # -inf/NaN never reach the loss
+        masked_loss = (torch.exp(trainer - old) * out["completion_mask"]).sum()
+        assert torch.isfinite(masked_loss)
+
+
+def test_finished_rollout_passes_the_sampler_tensor_itself_when_every_value_is_finite():
+    from rpa.train.trl_adapter import finish_rollout
+
+    out, trainer = _rollout()
+    out["sampling_per_token_logps"] = sampling = out["sampling_per_token_logps"].nan_to_num(0.0, neginf=-9.0)
+    local, bad = finish_rollout(out, trainer, old_logprobs="sampler", epsilon_low=0.2, epsilon_high=0.28)
+    assert not bad.any() and out["completion_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert out["old_per_token_logps"] is sampling  # the committed runs' path: no copy, same values
+    assert local[2] == [0] * 4 + [1] * 4 + [2] * 3

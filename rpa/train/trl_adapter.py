@@ -64,6 +64,43 @@ def colocated_llm_args(cfg: TrainConfig):
         generation.LLM = stock
 
 
+def finish_rollout(out: dict[str, Any], trainer, *, old_logprobs: str, epsilon_low: float, epsilon_high: float,
+                   row_offset: int = 0):
+    """What :class:`RpaGRPOTrainer` does to one rank's scored rollout ``out`` (TRL's
+    ``_generate_and_score_completions`` result) once TRL has built it; ``trainer`` holds the
+    trainer's log-probabilities of the completion tokens at the generating weights.
+
+    * A non-finite sampler logprob (vLLM can return -inf/NaN for a token it sampled at a
+      temperature) must not reach the mismatch metrics or the loss: such a token leaves
+      ``completion_mask``.
+    * With ``old_logprobs`` ``"sampler"`` (as asynchronous GRPO trainers do) PPO's old
+      log-probabilities become the sampler's: the ratio is pi/mu. Where the sampler's value is
+      not finite (masked tokens only, by the rule above) the trainer's stands in, since TRL
+      multiplies the per-token loss by the mask and an infinite ratio times 0 is NaN.
+
+    ``out`` is changed in place. Returns this rank's token records -- trainer and sampler logprobs,
+    row ids (``row_offset`` + the row), phantom-clipped flags, as lists -- and the mask of the
+    completion tokens whose sampler logprob is not finite."""
+    import torch
+
+    from rpa.measure.metrics import phantom_clipped
+
+    sampling = out["sampling_per_token_logps"]
+    keep = out["completion_mask"].bool()
+    bad = keep & ~torch.isfinite(sampling)
+    if bad.any():
+        keep = keep & ~bad
+        out["completion_mask"] = out["completion_mask"] * (~bad).to(out["completion_mask"].dtype)
+    rows = keep.nonzero(as_tuple=True)[0] + row_offset
+    clipped = phantom_clipped(trainer, sampling, out["advantages"], epsilon_low, epsilon_high)[keep]
+    local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist(),
+             clipped.cpu().tolist())
+    if old_logprobs == "sampler":
+        nonfinite = ~torch.isfinite(sampling)  # padding included: there too the mask multiplies the loss
+        out["old_per_token_logps"] = torch.where(nonfinite, trainer, sampling) if nonfinite.any() else sampling
+    return local, bad
+
+
 def make_trainer_class():
     """:class:`RpaGRPOTrainer`, TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added."""
     import numpy as np
@@ -72,7 +109,7 @@ def make_trainer_class():
     from trl import GRPOTrainer
 
     from rpa.train.loss_scale import DynamicLossScale
-    from rpa.measure.metrics import mismatch_metrics, phantom_clipped
+    from rpa.measure.metrics import mismatch_metrics
     from rpa.measure.scoring import sync_gap, token_logps_and_entropy
 
     class RpaGRPOTrainer(GRPOTrainer):
@@ -258,8 +295,7 @@ def make_trainer_class():
             every = self.rpa_config.eval_every
             if every and step % every == 0 and step != getattr(self, "rpa_last_eval_step", None):
                 self.rpa_evaluate(step)  # the sampler now holds the weights after `step` updates
-            sampling = out.get("sampling_per_token_logps")
-            if sampling is None:
+            if out.get("sampling_per_token_logps") is None:
                 raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
             trainer = out.get("old_per_token_logps")
             if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
@@ -269,19 +305,10 @@ def make_trainer_class():
                     trainer, _, _ = self._get_per_token_logps_and_entropies(
                         self.model, ids, mask, out["completion_ids"].size(1),
                         batch_size=self.args.per_device_train_batch_size)
-            keep = out["completion_mask"].bool()
-            # a non-finite sampler logprob (vLLM can return -inf/NaN for a token it sampled at a
-            # temperature) must not reach the mismatch metrics or, as PPO's old logprob, the ratio:
-            # such tokens leave the loss (mask 0) and are counted in every step's record
-            bad = keep & ~torch.isfinite(sampling)
-            if bad.any():
-                keep = keep & ~bad
-                out["completion_mask"] = out["completion_mask"] * (~bad).to(out["completion_mask"].dtype)
-            rows = keep.nonzero(as_tuple=True)[0] + self.accelerator.process_index * keep.size(0)
-            clipped = phantom_clipped(trainer, sampling, out["advantages"], self.epsilon_low, self.epsilon_high)[keep]
+            local, bad = finish_rollout(out, trainer, old_logprobs=self.rpa_config.old_logprobs,
+                                        epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                                        row_offset=self.accelerator.process_index * out["completion_mask"].size(0))
             # every rank's tokens: the metrics are over the step's completions, not one rank's share
-            local = (trainer[keep].double().cpu().tolist(), sampling[keep].double().cpu().tolist(), rows.cpu().tolist(),
-                     clipped.cpu().tolist())
             parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
             m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                                  np.concatenate([p[2] for p in parts]))
@@ -293,8 +320,6 @@ def make_trainer_class():
                     self._metrics[mode][f"mismatch/{key}"].append(value)
             self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
             self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
-            if self.rpa_config.old_logprobs == "sampler":  # as asynchronous GRPO trainers do: PPO's old = mu
-                out["old_per_token_logps"] = sampling
             return out
 
     return RpaGRPOTrainer
