@@ -16,13 +16,23 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_parity(args: argparse.Namespace) -> int:
+def _parity_numerics(args: argparse.Namespace):
     from rpa.core.numerics_config import NumericsConfig
+
+    return NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
+
+
+def _parity_options(args: argparse.Namespace):
+    from rpa.core.fieldtypes import from_args
+    from rpa.measure.parity import ParityOptions
+
+    return from_args(ParityOptions, args)
+
+
+def _cmd_parity(args: argparse.Namespace) -> int:
     from rpa.measure.parity import run_parity
 
-    numerics = NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
-    report = run_parity(args.model, numerics, args.out, compiled=args.compiled,
-                        multiprocess=args.multiprocess, trainer_dtype=args.trainer_dtype)
+    report = run_parity(args.model, _parity_numerics(args), args.out, _parity_options(args))
     if not report["plugin"]["active"]:
         print(f"rpa parity: FAIL, plugin not active:\n{report['plugin']['error']}", file=sys.stderr)
         return 2
@@ -139,6 +149,7 @@ def _cmd_warm_start(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from rpa.measure.diagnose import DiagnoseOptions
     from rpa.core.fieldtypes import add_arguments
+    from rpa.measure.parity import ParityOptions
     from rpa.measure.probe import ProbeOptions
     from rpa.sides.tiny import TinySpec
 
@@ -154,10 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--model", help="model directory (or hub id); required")
     parity.add_argument("--regions", help="'all' or a comma-separated subset of rope,swiglu,rmsnorm; required")
     parity.add_argument("--out", help="JSON report path; required")
-    parity.add_argument("--compiled", action="store_true", help="run vLLM compiled (default: eager)")
-    parity.add_argument("--multiprocess", action="store_true", help="vLLM engine core in its own process")
-    parity.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="parameter dtype of the HF model (float32 = FP32 master, BF16 compute)")
+    add_arguments(parity, ParityOptions)  # one flag per field, default and help from the dataclass
     _add_device_arg(parity)
     parity.set_defaults(func=_cmd_parity)
 
@@ -256,12 +264,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
                              f"{context} exceeds the model's max_position_embeddings ({limit})")
         check_output(args.out, "dir", inputs=(cfg.model, args.config))
         return
-    from rpa.core.numerics_config import NumericsConfig
-
-    numerics = (NumericsConfig.from_dict({"regions": args.regions, "device": args.device})
-                if args.command == "parity" else _numerics(args))
-    if args.command == "parity" and not numerics.regions:
-        raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
+    numerics = _parity_numerics(args) if args.command == "parity" else _numerics(args)
+    if args.command == "parity":
+        _parity_options(args)  # the option values (a trainer_dtype from a job file is not an argparse choice)
+        if not numerics.regions:
+            raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
     options = _probe_options(args) if args.command == "probe" else None  # ranges of the probe's options
     if args.command == "diagnose":
         from rpa.measure.diagnose import DiagnoseOptions

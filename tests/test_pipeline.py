@@ -168,6 +168,24 @@ def test_probe_options_have_one_owner_from_config_to_job_file_and_back(tmp_path)
         check_config(config)
 
 
+def test_parity_options_have_one_owner_from_config_to_job_file_and_back(tmp_path):
+    """The parity: section, the gate's job file and what rpa parity reads are one dataclass
+    (rpa.measure.parity.ParityOptions)."""
+    from rpa.cli import _parity_numerics, _parity_options, _with_job_config, build_parser
+    from rpa.measure.parity import ParityOptions
+    from rpa.workflow.pipeline import parity_job, parity_options
+
+    config = copy.deepcopy(DEFAULT)
+    config["parity"].update(regions="rope,swiglu", compiled=True)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(parity_job(config, "m", "cpu")))
+    argv = ["parity", "--config", str(job), "--out", "r.json"]
+    parser = build_parser()
+    args = _with_job_config(parser, argv, parser.parse_args(argv))
+    assert _parity_options(args) == parity_options(config) == ParityOptions(compiled=True)
+    assert _parity_numerics(args).regions == frozenset({"rope", "swiglu"}) and args.model == "m"
+
+
 def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
     import dataclasses
 
@@ -183,6 +201,9 @@ def test_the_schemas_probe_and_diagnose_defaults_are_the_dataclasses():
     from rpa.measure.diagnose import DiagnoseOptions
 
     assert schema["properties"]["diagnose"]["properties"]["sequences"]["default"] == DiagnoseOptions().sequences
+    from rpa.measure.parity import ParityOptions
+
+    assert schema["properties"]["parity"]["properties"]["compiled"]["default"] is ParityOptions().compiled is False
 
 
 def test_the_schemas_numerics_enums_and_dose_range_are_numerics_configs():

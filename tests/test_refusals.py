@@ -304,6 +304,15 @@ def test_bad_job_config_files(capsys, tmp_path, content, needle):
     refused(capsys, ["probe", "--config", job], needle)
 
 
+def test_a_parity_job_with_a_bad_trainer_dtype(capsys, model, tmp_path):
+    """argparse checks --trainer-dtype's choices only on the command line; from a job file the
+    dataclass refuses it."""
+    job = tmp_path / "parity.yaml"
+    job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "trainer_dtype": "float16"}))
+    refused(capsys, ["parity", "--config", job, "--out", tmp_path / "r.json"], "trainer_dtype: 'float16' is not one of",
+            absent=tmp_path / "r.json")
+
+
 def test_a_job_needs_its_model_regions_and_out(capsys, tmp_path):
     refused(capsys, ["probe", "--regions", "all", "--out", tmp_path / "o"], "--model required", absent=tmp_path / "o")
 

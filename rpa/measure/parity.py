@@ -13,17 +13,38 @@ kernels are not aligned and keep it above zero.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
-from rpa.core import ops
 from rpa.core.jsonfiles import write_json
 from rpa.core.regions import REGIONS, format_regions, parse_regions
 
+if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's parser imports this module)
+    import torch
+    from torch import Tensor
+
 SCHEMA = "rpa.parity/1"
+TRAINER_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    """The parity check's options: the ``rpa parity`` flags and the ``parity:`` section of a
+    pipeline config are built from these fields (:func:`rpa.core.fieldtypes.add_arguments`)."""
+
+    compiled: bool = field(default=False, metadata={
+        "help": "run vLLM compiled and check the compiled engine's logprobs against an eager one's (default: eager)"})
+    multiprocess: bool = field(default=False, metadata={"help": "vLLM engine core in its own process"})
+    trainer_dtype: str = field(default="bfloat16", metadata={
+        "help": "parameter dtype of the HF model (float32 = FP32 master, BF16 compute)", "choices": TRAINER_DTYPES})
+
+    def __post_init__(self) -> None:
+        from rpa.core.errors import InputError
+
+        if self.trainer_dtype not in TRAINER_DTYPES:
+            raise InputError(f"parity option trainer_dtype: {self.trainer_dtype!r} is not one of "
+                             f"{', '.join(TRAINER_DTYPES)}")
 DEFAULT_PROMPTS = (
     "What is 12 + 7? Answer:",
     "sort 3 1 2 -> 1 2 3",
@@ -64,6 +85,8 @@ class _Tally:
 
 
 def _find_norm(norms: list[torch.nn.Module], weight: Tensor) -> torch.nn.Module:
+    import torch
+
     for module in norms:
         if module.weight.shape == weight.shape and torch.equal(module.weight.detach().to(weight.dtype), weight):
             return module
@@ -72,6 +95,9 @@ def _find_norm(norms: list[torch.nn.Module], weight: Tensor) -> torch.nn.Module:
 
 def replay(captured: list[dict[str, Any]], hf_model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Replay captured vLLM calls through the aligned HF model; one tally per region."""
+    import torch
+
+    from rpa.core import ops
     from rpa.sides.trainer import aligned_apply_rotary_pos_emb, check_supported
 
     modeling = check_supported(hf_model)
@@ -118,6 +144,8 @@ def _sequences(batch: list[list[int]]) -> list[dict[str, Any]]:
 
 
 def _logprob_gap(a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
+    import torch
+
     d = torch.tensor([abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)], dtype=torch.float64)
     return {"tokens": d.numel(), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
             "frac_bitwise_equal": float((d == 0).double().mean())}
@@ -137,16 +165,18 @@ def _engine_logprobs(model_dir: str, numerics, batch, **engine_kwargs) -> list[l
     return logprobs
 
 
-def run_parity(model_dir: str, numerics, out_path: str | Path | None = None, *,
-               compiled: bool = False, multiprocess: bool = False, trainer_dtype: str = "bfloat16") -> dict[str, Any]:
+def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
+               options: ParityOptions | None = None) -> dict[str, Any]:
     """Run the check and write the report; ``report["passed"]`` is the verdict.
 
     ``numerics``: a :class:`~rpa.core.numerics_config.NumericsConfig` (regions, device) or a
-    region set. The replay check needs the aligned ops' Python bodies to run, so its engine
+    region set; ``options``: :class:`ParityOptions` (default: eager, in-process, BF16 trainer
+    weights). The replay check needs the aligned ops' Python bodies to run, so its engine
     never replays CUDA graphs (eager, or compiled with CUDA graphs off). With ``compiled``,
     the compiled engine is checked as a whole instead: its prompt logprobs must equal an
     eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine).
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpa.sides import engine
@@ -155,6 +185,8 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None, *,
     from rpa.measure.scoring import sampler_logprobs, trainer_logprobs
     from rpa.sides.trainer import align_model
 
+    options = options or ParityOptions()
+    compiled, multiprocess, trainer_dtype = options.compiled, options.multiprocess, options.trainer_dtype
     if not isinstance(numerics, NumericsConfig):
         numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
     regions = numerics.regions

@@ -37,17 +37,28 @@ def _tiny_problem(spec: Any) -> str | None:
     return None
 
 
-def probe_options(config: dict[str, Any]):
-    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section (the options it
-    names; the dataclass fills in and checks the rest)."""
-    import dataclasses
+def _options(cls: type, section: dict[str, Any]):
+    """The dataclass ``cls`` of the options a config section names (the dataclass fills in and
+    checks the rest; a list where a tuple field is becomes the tuple)."""
+    import typing
 
+    hints = typing.get_type_hints(cls)
+    given = {f.name: section[f.name] for f in fields(cls) if f.name in section}
+    return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in given.items()})
+
+
+def probe_options(config: dict[str, Any]):
+    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section."""
     from rpa.measure.probe import ProbeOptions
 
-    given = {f.name: config["probe"][f.name] for f in dataclasses.fields(ProbeOptions) if f.name in config["probe"]}
-    if "ratio_band" in given:
-        given["ratio_band"] = tuple(given["ratio_band"])
-    return ProbeOptions(**given)
+    return _options(ProbeOptions, config["probe"])
+
+
+def parity_options(config: dict[str, Any]):
+    """The :class:`~rpa.measure.parity.ParityOptions` of the config's ``parity:`` section."""
+    from rpa.measure.parity import ParityOptions
+
+    return _options(ParityOptions, config["parity"])
 
 
 def _job(options: dict[str, Any]) -> dict[str, Any]:
@@ -78,9 +89,10 @@ def diagnose_job(config: dict[str, Any], model: str, numerics: str, completions:
 
 
 def parity_job(config: dict[str, Any], model: str, device: str) -> dict:
-    """The ``rpa parity --config`` file of one model's gate."""
-    return _job({"model": model, "regions": config["parity"]["regions"], "compiled": config["parity"]["compiled"],
-                 "device": device})
+    """The ``rpa parity --config`` file of one model's gate: the options the ``parity:`` section
+    can set (the schema's), from :class:`~rpa.measure.parity.ParityOptions`."""
+    return _job({"model": model, "regions": config["parity"]["regions"],
+                 "compiled": parity_options(config).compiled, "device": device})
 
 
 def check_config(config: dict[str, Any]) -> None:
@@ -96,6 +108,10 @@ def check_config(config: dict[str, Any]) -> None:
             problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
     except RegionError as err:
         problems.append(f"parity.regions: {err}")
+    try:
+        parity_options(config)
+    except (ValueError, TypeError) as err:
+        problems.append(f"parity: {err}")
     configs = config["probe"]["configs"]
     for name, numerics in configs.items():
         try:
