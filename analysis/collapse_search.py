@@ -41,6 +41,11 @@ from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH = "mismatch/mean_abs_dlogp"
 PHANTOM = "mismatch/phantom_clip_rate"
+RUN_SETTINGS = ("learning_rate", "temperature", "max_completion_length", "steps", "updates_per_generation")
+"""Run-config values every run row carries (from its ``config.json``, as ``config_<name>``: an axis
+label may have the same name): what the envelope reports."""
+FINAL_STEPS = 10
+"""``final_entropy``: the mean policy entropy over a run's last this many logged steps."""
 
 
 def _first(m: pd.DataFrame, key: str):
@@ -71,6 +76,7 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
         if summary is not None and (metrics or summary.get("status") == "collapsed"):
             cfg = json.loads((run / "config.json").read_text())
             v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
+            row.update({f"config_{k}": cfg.get(k) for k in RUN_SETTINGS})
             row.update({k: v.get(k) for k in ("verdict", "collapsed", "collapse_step", "unconfirmed_drop_step",
                                               "recovered_step", "grad_spikes", "steps", "peak_reward",
                                               "final_reward")})
@@ -81,7 +87,8 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
             row.update(step1_reward=_first(m, "reward"), step1_entropy=_first(m, "entropy"),
                        step1_mismatch=_first(m, MISMATCH), step1_phantom_clip=_first(m, PHANTOM),
                        initial_reward=float(m["reward"].head(reward_steps).mean()),
-                       entropy=_mean(m, "entropy"), pre_collapse_mismatch=_mean(before, MISMATCH),
+                       entropy=_mean(m, "entropy"), final_entropy=_mean(m.tail(FINAL_STEPS), "entropy"),
+                       pre_collapse_mismatch=_mean(before, MISMATCH),
                        max_pre_collapse_mismatch=_max(before, MISMATCH),
                        pre_collapse_phantom_clip=_mean(before, PHANTOM),
                        max_pre_collapse_phantom_clip=_max(before, PHANTOM))
@@ -223,6 +230,51 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
     return out
 
 
+def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided Fisher exact p for k1/n1 against k2/n2 (tables no likelier than the one seen)."""
+    total, ks = n1 + n2, k1 + k2
+
+    def prob(a: int) -> float:
+        return math.comb(n1, a) * math.comb(n2, ks - a) / math.comb(total, ks)
+
+    seen = prob(k1)
+    return min(1.0, sum(prob(a) for a in range(max(0, ks - n2), min(ks, n1) + 1) if prob(a) <= seen * (1 + 1e-9)))
+
+
+def comparison(runs: pd.DataFrame, rule: dict) -> dict:
+    """Collapses of the treatment (aligned) arm against the reference (stock BF16) over the
+    stage's finished runs, with Fisher's exact p: a report beside the decision, not part of it."""
+    arm, ref, treat = rule.get("arm_axis", "arm"), rule.get("reference_arm", "none"), rule.get("treatment_arm", "all")
+    done = runs[runs["state"] == "finished"]
+    collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(False, done.index)
+    r, t = collapsed[done[arm] == ref], collapsed[done[arm] == treat]
+    return {"reference_arm": ref, "treatment_arm": treat, "reference": [int(r.sum()), len(r)],
+            "treatment": [int(t.sum()), len(t)],
+            "fisher_p": fisher_exact(int(t.sum()), len(t), int(r.sum()), len(r)) if len(r) and len(t) else None}
+
+
+def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
+    """What the reference (stock BF16) arm's finished runs explored: models, settings, step-1 and
+    final entropy, the largest mismatch and phantom-clip rate before any collapse."""
+    arm, ref = rule.get("arm_axis", "arm"), rule.get("reference_arm", "none")
+    done = runs[(runs["state"] == "finished") & (runs[arm] == ref)]
+    models = sorted({c["model"] for c in manifest["cells"] if c["cell"] in set(done["cell"])})
+
+    def values(col):
+        return sorted({v for v in done[col].dropna().tolist()}) if col in done else []
+
+    def span(col, how):
+        return None if col not in done or done[col].isna().all() else float(getattr(done[col], how)())
+
+    return {"arm": ref, "runs": int(len(done)), "models": models,
+            **{k: values(f"config_{k}") for k in RUN_SETTINGS},
+            "step1_entropy": [span("step1_entropy", "min"), span("step1_entropy", "max")],
+            "final_entropy": [span("final_entropy", "min"), span("final_entropy", "max")],
+            "mean_entropy": span("entropy", "mean"),
+            "max_pre_collapse_mismatch": span("max_pre_collapse_mismatch", "max"),
+            "max_pre_collapse_phantom_clip": span("max_pre_collapse_phantom_clip", "max")}
+
+
 # ------------------------------------------------------------------------------ output
 
 
@@ -323,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         per_group = groups(runs, axes, (manifest.get("decision") or {}).get("confidence", 0.95))
         summary = {"groups": per_group.to_dict(orient="records")}
         if args.stage in DECIDED_STAGES:
-            summary["decision"] = decision(runs, manifest.get("decision") or {})
+            rule = manifest.get("decision") or {}
+            summary.update(decision=decision(runs, rule), comparison=comparison(runs, rule), envelope=envelope(runs, rule, manifest))
         table = runs
         shown = per_group
         _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {})
@@ -331,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         if "decision" in summary:
             text += (f"**Decision** (rule fixed in the config before the {args.stage} ran): "
                      f"{summary['decision']['statement']}\n\n")
-        text += ("Per group: collapsed / finished runs with an exact 95% interval on the collapse rate; "
+        confidence = (manifest.get("decision") or {}).get("confidence", 0.95)
+        text += (f"Per group: collapsed / finished runs with an exact {100 * confidence:.0f}% interval on the collapse rate; "
                  "mismatch and phantom-clip rate before the collapse (all steps of runs that did not collapse).\n\n")
     with atomic_path(f"{stem}.csv") as tmp:
         table.to_csv(tmp, index=False)

@@ -235,30 +235,118 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                     f"{rule['reward_high']}], then the largest step-1 mismatch; chosen: "
                     f"{pilot.get('chosen') or 'no cell was eligible'}."),
              booktabs(table[cols], "Natural-collapse search: the pilot (BF16 none, 10 steps)", "tab:pilot")]
-    grid_json = search_results / "tables" / "search_grid.json"
-    if grid_json.exists():
-        decision = json.loads(grid_json.read_text())["decision"]
-        parts.append(escape(f"The grid (FP32, stock BF16 and all three regions aligned, at several learning "
-                            f"rates and four seeds, judged by the collapse rule and decision rule written in its "
-                            f"config before it ran): {decision['statement']}"))
-        groups = pd.DataFrame(json.loads(grid_json.read_text()).get("groups") or [])
-        if not groups.empty and (groups["finished"] > 0).any():
-            shown = groups[groups["finished"] > 0]
-            cols = [c for c in ("lr", "arm", "finished", "collapsed", "collapse_rate_high", "final_reward", "entropy",
-                                "pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in shown]
-            parts.append(booktabs(shown[cols], "Natural-collapse search: the grid's finished runs per group (collapsed "
-                                  "with the exact 95% upper bound on the rate; entropy and mismatch are means over "
-                                  "the steps, the mismatch before any collapse)", "tab:searchgrid"))
-        if decision.get("outcome") == "collapses naturally":
-            parts.append(escape("The study's two claims are tested at the collapsing rung(s) by the ablation "
-                                "stage."))
-        elif decision.get("outcome") == "does not collapse naturally":
-            parts.append(escape("At this scale the study's two collapse claims stay untestable: the baseline "
-                                "did not collapse by itself."))
-    else:
+    tables = search_results / "tables"
+    grid_json = tables / "search_grid.json"
+    if not grid_json.exists():
         parts.append(escape("The grid has not run yet; the paper says nothing about it."))
+        write_text(path, "\n\n".join(parts) + "\n")
+        return path
+    grid = json.loads(grid_json.read_text())
+    decision = grid["decision"]
+    parts.append(escape(f"The grid (FP32, stock BF16 and all three regions aligned, at several learning "
+                        f"rates and four seeds, judged by the collapse rule and decision rule written in its "
+                        f"config before it ran): {decision['statement']}"))
+    parts += _stage_groups(grid, "Natural-collapse search: the grid's finished runs per group", "tab:searchgrid")
+    if decision.get("outcome") == "collapses naturally":
+        parts.append(escape("The study's two claims are tested at the collapsing rung(s) by the ablation stage."))
+    elif decision.get("outcome") == "does not collapse naturally":
+        parts.append(escape(_envelope_text(grid.get("envelope") or {})))
+        top = _top_rung_runs(tables / "search_grid.csv", decision)
+        if top is not None:
+            parts.append(top)
+        lever_json = tables / "search_lever.json"
+        if lever_json.exists():
+            lever = json.loads(lever_json.read_text())
+            parts.append(escape(f"The further lever, written in the config before any of it ran: "
+                                f"{_settings_text(lever.get('envelope') or {})}; the grid's arms, seeds, warm "
+                                f"starts and rules. {lever['decision']['statement']}"))
+            parts += _stage_groups(lever, "Natural-collapse search: the lever stage per group", "tab:searchlever")
+        else:
+            parts.append(escape("The further lever (the config's lever stage) has not run yet."))
+        parts.append(_claims_text(grid, json.loads(lever_json.read_text()) if lever_json.exists() else None))
     write_text(path, "\n\n".join(parts) + "\n")
     return path
+
+
+def _stage_groups(stage: dict, caption: str, label: str) -> list[str]:
+    """A stage's finished groups as a table (collapsed with the exact upper bound on the rate)."""
+    groups = pd.DataFrame(stage.get("groups") or [])
+    if groups.empty or not (groups["finished"] > 0).any():
+        return []
+    shown = groups[groups["finished"] > 0]
+    cols = [c for c in ("lr", "arm", "finished", "collapsed", "collapse_rate_high", "final_reward", "entropy",
+                        "pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in shown]
+    confidence = stage["decision"]["rule"].get("confidence", 0.95)
+    return [booktabs(shown[cols], f"{caption} (collapsed with the exact {100 * confidence:.0f}% upper bound on the "
+                                  f"rate; entropy and mismatch are means over the steps, the mismatch before any "
+                                  f"collapse)", label)]
+
+
+def _span(values: list, unit: str = "") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    lo, hi = min(values), max(values)
+    return f"{lo:.3g}{unit}" if lo == hi else f"{lo:.3g}-{hi:.3g}{unit}"
+
+
+def _settings_text(env: dict) -> str:
+    lr = ", ".join(f"{v:g}" for v in env.get("learning_rate") or [])
+    return (f"model {', '.join(env.get('models') or []) or 'n/a'}, sampling temperature "
+            f"{_span(env.get('temperature') or [])}, {_span(env.get('max_completion_length') or [])}-token "
+            f"completions, {_span(env.get('steps') or [])} steps at learning rate(s) {lr or 'n/a'}, "
+            f"{_span(env.get('updates_per_generation') or [])} optimizer update(s) per generated batch")
+
+
+def _envelope_text(env: dict) -> str:
+    """The envelope the stock-BF16 arm explored, from the stage summary's ``envelope``."""
+    if not env.get("runs"):
+        return "No stock BF16 run finished."
+    return (f"The envelope explored by the {env['runs']} stock BF16 runs: {_settings_text(env)}; policy entropy "
+            f"{_span(env.get('step1_entropy') or [])} nats/token at step 1 and "
+            f"{_span(env.get('final_entropy') or [])} over each run's last steps (mean over all steps "
+            f"{_span([env.get('mean_entropy')])}); mean |dlogp| before any collapse up to "
+            f"{_span([env.get('max_pre_collapse_mismatch')])} (largest step) and a phantom-clip rate up to "
+            f"{_span([env.get('max_pre_collapse_phantom_clip')])}.")
+
+
+def _top_rung_runs(csv: Path, decision: dict) -> str | None:
+    """The runs of the grid's last (largest) rung, one row each."""
+    if not csv.exists() or not decision.get("rungs"):
+        return None
+    runs = pd.read_csv(csv)
+    rung_axis = decision["rule"]["rung_axis"]
+    top = decision["rungs"][-1]["rung"]
+    rows = runs[(runs[rung_axis] == top) & (runs["state"] == "finished")]
+    cols = [c for c in (decision["rule"]["arm_axis"], "seed", "verdict", "collapse_step", "peak_reward", "final_reward",
+                        "final_entropy", "max_pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in rows]
+    return booktabs(rows[cols], f"Natural-collapse search: every run of the top rung ({top})", "tab:searchtop")
+
+
+def _claims_text(grid: dict, lever: dict | None) -> str:
+    """What the search says about the study's two claims, from the stages' decisions and comparisons."""
+    stages = [("grid", grid)] + ([("lever", lever)] if lever else [])
+    collapsing = [name for name, st in stages if st["decision"].get("outcome") == "collapses naturally"]
+    seen, significant = [], []
+    for name, st in stages:
+        c = st.get("comparison") or {}
+        if c.get("reference", [0, 0])[1] and c.get("treatment", [0, 0])[1]:
+            p = c.get("fisher_p")
+            seen.append(f"{name}: {c['treatment_arm']} {c['treatment'][0]}/{c['treatment'][1]} collapsed against "
+                        f"{c['reference_arm']} {c['reference'][0]}/{c['reference'][1]} (Fisher exact p = {p:.2g})")
+            if p < 0.05:
+                significant.append(name)
+    verdict = (f"the difference is significant at p < 0.05 in the {' and '.join(significant)} stage"
+               if significant else "at these counts no difference between the arms is significant (p >= 0.05)")
+    beside = f"beside it, {'; '.join(seen)}: {verdict}" if seen else "no aligned arm ran beside it"
+    if collapsing:
+        return escape(f"Stock BF16 collapsed naturally in the {' and '.join(collapsing)} stage: the study's claims are "
+                      f"judged there by the ablation stage.")
+    finished = "" if lever else " (the lever stage has not run yet)"
+    return escape(f"What this says about the study's two claims{finished}. (1) Aligning all three regions prevents "
+                  f"the BF16 baseline's collapse: not testable here, since the baseline did not collapse by itself; "
+                  f"{beside}. (2) RoPE alone suffices: not testable either; the ablation stage runs only where "
+                  f"the baseline collapses, and it did not.")
 
 
 def build(results: Path, out_dir: Path, dose_results: Path | None = None) -> int:

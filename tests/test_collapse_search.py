@@ -222,7 +222,9 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
     grid = [p for p in search_points(CONFIG, "grid")]
-    assert counts["search_train"] == len(grid) - len(finished)
+    assert counts.get("search_train", 0) == len(grid) - len(finished)  # none once the whole grid is committed
+    if len(finished) == len(grid):
+        assert "search_init" not in counts  # a complete committed grid rebuilds no warm start
 
 
 @pytest.mark.cli  # the checker runs each analysis in a process of its own
@@ -241,3 +243,26 @@ def test_check_reference_finds_a_table_that_its_raw_runs_do_not_give(tmp_path, c
     table.write_text(table.read_text().replace("deep16", "deep61", 1))
     assert check_reference.main(["--only", "collapse-cpu", "--reference", str(ref)]) == 1
     assert "differs: collapse-cpu/tables/search_pilot.csv" in capsys.readouterr().out
+
+
+def test_fisher_exact_matches_known_values():
+    from analysis.collapse_search import fisher_exact
+
+    assert fisher_exact(4, 4, 0, 4) == pytest.approx(2 / 70)  # the two most extreme tables of C(8,4) = 70
+    assert fisher_exact(3, 4, 0, 4) == pytest.approx(10 / 70)
+    assert fisher_exact(1, 4, 0, 4) == pytest.approx(1.0)
+    assert fisher_exact(1, 12, 0, 12) == pytest.approx(1.0)
+    assert fisher_exact(0, 12, 6, 12) == pytest.approx(0.0137, abs=1e-4)
+
+
+def test_a_stage_without_collapse_reports_its_envelope_and_the_arms_comparison(tmp_path):
+    manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)
+    assert main(["--results", str(tmp_path), "--stage", "grid", "--figure", str(tmp_path / "f.png")]) == 0
+    summary = json.loads((tmp_path / "tables/search_grid.json").read_text())
+    env = summary["envelope"]
+    assert env["arm"] == "none" and env["runs"] == 8 and env["models"] == ["m"]
+    assert env["max_pre_collapse_mismatch"] == pytest.approx(0.12) and env["final_entropy"] == [0.5, 0.5]
+    assert env["learning_rate"] == []  # the synthetic runs' config.json names no learning rate
+    c = summary["comparison"]
+    assert (c["reference"], c["treatment"], c["fisher_p"]) == ([0, 8], [0, 0], None)  # this grid has no `all` arm
+    assert len(manifest["cells"]) == 16

@@ -203,3 +203,28 @@ def test_the_search_section_comes_from_the_committed_search(tmp_path):
     else:
         assert "The grid has not run yet" in text
     assert search_section(None, tmp_path) is None and not path.exists()  # no search: no section, none left over
+
+
+def test_the_search_section_says_plainly_when_nothing_collapsed(tmp_path):
+    """A grid and a lever stage without a natural collapse: the section gives the envelope the
+    baseline explored, every run of the top rung, the lever's decision and, for each of the
+    study's two claims, that it could not be tested here."""
+    import shutil
+
+    from analysis.collapse_search import main as search
+    from analysis.paper import search_section
+    from tests.test_collapse_search import _grid
+
+    committed = REPO / "results/reference/collapse-cpu"
+    shutil.copytree(committed / "tables", tmp_path / "tables")
+    for stage in ("grid", "lever"):
+        _grid(tmp_path, none_falls=0, fp32_falls=0, stage=stage)
+        assert search(["--results", str(tmp_path), "--stage", stage, "--figure", str(tmp_path / f"{stage}.png")]) == 0
+    (tmp_path / "paper").mkdir()
+    text = search_section(tmp_path, tmp_path / "paper").read_text().replace("\\_", "_")
+    assert "does not collapse naturally" in text and "The envelope explored by the 8 stock BF16 runs" in text
+    assert "tab:searchtop" in text and "every run of the top rung (lr2)" in text
+    assert "tab:searchlever" in text and "The further lever" in text
+    assert "(1) Aligning all three regions prevents the BF16 baseline's collapse: not testable here" in text
+    assert "(2) RoPE alone suffices: not testable either" in text
+    assert "the lever stage has not run yet" not in text
