@@ -4,6 +4,9 @@ PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CORES       ?= 2
+# pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers)
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
@@ -32,13 +35,14 @@ main: $(STAMP)
 train-grid: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES) train_all
 
-# every kind (unit, cli, engine: see pyproject.toml); the 25 slowest are listed at the end
+# every kind (unit, cli, engine: see pyproject.toml), on TEST_WORKERS parallel workers; the 25
+# slowest are listed at the end
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs --durations=25
+	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_PARALLEL)
 
 # unit + cli: no vLLM engine, no TRL run
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not engine"
+	$(BIN)/python -m pytest -q -m "not engine" $(PYTEST_PARALLEL)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit

@@ -112,6 +112,7 @@ def test_logits_in_the_parameter_dtype_and_dtype_changes(tiny_dirs):
         logits(model, ids, mask)
 
 
+@pytest.mark.engine  # Inductor compiles C++ through gcc
 def test_export_and_fullgraph_compile_without_host_sync(tiny_dirs, mode):
     """``int(position_ids.max())`` made both fail ("data-dependent expression"); the bound is
     now a device-side assert, so nothing in the forward reads a value back to the host."""
@@ -165,3 +166,21 @@ def test_every_qwen_class_aligns(tiny_dirs, arch, cls_name):
     assert torch.equal(outs[0].to(torch.bfloat16), outs[1].to(torch.bfloat16))
     with pytest.raises(UnsupportedModelError, match="has no LM head"):
         align_model(master, "all", lm_head_fp32=True)
+
+
+def test_the_rope_table_buffer_stays_out_of_checkpoints_and_leaves_with_the_patch(tiny_dirs, tmp_path):
+    """What the README says of ``rpa_cos_sin_bits``: listed by named_buffers(), absent from the
+    state dict and a saved checkpoint, gone once the alignment is removed."""
+    from safetensors import safe_open
+
+    from rpa.sides.trainer import ROPE_TABLE_BUFFER
+
+    model = aligned(tiny_dirs["qwen3"], "bf16-compute")
+    buffers = [name for name, _ in model.named_buffers() if name.endswith(ROPE_TABLE_BUFFER)]
+    assert buffers == [f"model.rotary_emb.{ROPE_TABLE_BUFFER}"]
+    assert not any(k.endswith(ROPE_TABLE_BUFFER) for k in model.state_dict())
+    model.save_pretrained(tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:
+        assert not any(k.endswith(ROPE_TABLE_BUFFER) for k in f.keys())
+    model._rpa_alignment.remove()
+    assert not any(name.endswith(ROPE_TABLE_BUFFER) for name, _ in model.named_buffers())

@@ -62,6 +62,7 @@ def test_gradients_match_autograd_through_the_reference(t):
     assert torch.equal(q.grad, numerics.rope_rotate_backward(dy, t["cos"][:, None], t["sin"][:, None]))
 
 
+@pytest.mark.engine  # Inductor compiles C++ through gcc
 def test_compiled_callers_keep_the_ops_bits(t):
     def block(x, r, w, g, u):
         normed, residual = ops.add_rms_norm(x, r, w, 1e-6)
