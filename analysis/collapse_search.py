@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -79,7 +80,7 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
             row.update({f"config_{k}": cfg.get(k) for k in RUN_SETTINGS})
             row.update({k: v.get(k) for k in ("verdict", "collapsed", "collapse_step", "unconfirmed_drop_step",
                                               "recovered_step", "grad_spikes", "steps", "peak_reward",
-                                              "final_reward")})
+                                              "final_reward", "reward_auc")})
         if metrics:
             m = pd.DataFrame(metrics)
             stop = row.get("collapse_step") if row.get("collapsed") else None
@@ -160,6 +161,7 @@ def groups(runs: pd.DataFrame, axes: list[str], confidence: float) -> pd.DataFra
                      "median_collapse_step": float(done.loc[collapsed, "collapse_step"].median()) if k else None,
                      "final_reward": done["final_reward"].mean() if n else None,
                      "final_reward_sd": done["final_reward"].std() if n > 1 else None,
+                     "reward_auc": done["reward_auc"].mean() if n and "reward_auc" in done else None,
                      "entropy": done["entropy"].mean() if n else None,
                      "pre_collapse_mismatch": done["pre_collapse_mismatch"].mean() if n else None,
                      "max_pre_collapse_mismatch": done["max_pre_collapse_mismatch"].max() if n else None,
@@ -241,16 +243,38 @@ def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
     return min(1.0, sum(prob(a) for a in range(max(0, ks - n2), min(ks, n1) + 1) if prob(a) <= seen * (1 + 1e-9)))
 
 
+def sign_test(k: int, n: int) -> float | None:
+    """Two-sided exact sign test: ``k`` of ``n`` pairs one way, under p = 1/2."""
+    if n == 0:
+        return None
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def comparison(runs: pd.DataFrame, rule: dict) -> dict:
-    """Collapses of the treatment (aligned) arm against the reference (stock BF16) over the
-    stage's finished runs, with Fisher's exact p: a report beside the decision, not part of it."""
-    arm, ref, treat = rule.get("arm_axis", "arm"), rule.get("reference_arm", "none"), rule.get("treatment_arm", "all")
+    """Beside the decision, not part of it (exploratory): collapses of the treatment (aligned) arm
+    against the reference (stock BF16) with Fisher's exact p, and, paired by (rung, seed), in how
+    many cells the reference's reward AUC is below the control's and the treatment's (sign test)."""
+    arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
+    ref, ctl, treat = rule.get("reference_arm", "none"), rule.get("control_arm", "fp32"), rule.get("treatment_arm", "all")
     done = runs[runs["state"] == "finished"]
     collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(False, done.index)
     r, t = collapsed[done[arm] == ref], collapsed[done[arm] == treat]
-    return {"reference_arm": ref, "treatment_arm": treat, "reference": [int(r.sum()), len(r)],
-            "treatment": [int(t.sum()), len(t)],
-            "fisher_p": fisher_exact(int(t.sum()), len(t), int(r.sum()), len(r)) if len(r) and len(t) else None}
+    out = {"reference_arm": ref, "treatment_arm": treat, "reference": [int(r.sum()), len(r)],
+           "treatment": [int(t.sum()), len(t)],
+           "fisher_p": fisher_exact(int(t.sum()), len(t), int(r.sum()), len(r)) if len(r) and len(t) else None,
+           "reward_auc_paired": {}}
+    if "reward_auc" not in done or rung not in done:
+        return out
+    auc = done.pivot_table(index=[rung, "seed"], columns=arm, values="reward_auc", aggfunc="first")
+    for other in (ctl, treat):
+        if ref in auc and other in auc:
+            pairs = auc[[ref, other]].dropna()
+            differ = pairs[pairs[ref] != pairs[other]]  # a sign test leaves ties out
+            lower = int((differ[ref] < differ[other]).sum())
+            out["reward_auc_paired"][other] = {"pairs": int(len(pairs)), "ties": int(len(pairs) - len(differ)),
+                                               "reference_lower": lower, "sign_test_p": sign_test(lower, len(differ))}
+    return out
 
 
 def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
@@ -267,7 +291,7 @@ def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
         return None if col not in done or done[col].isna().all() else float(getattr(done[col], how)())
 
     return {"arm": ref, "runs": int(len(done)), "models": models,
-            **{k: values(f"config_{k}") for k in RUN_SETTINGS},
+            **{k: values(f"config_{k}") for k in RUN_SETTINGS}, "logged_steps": values("steps"),
             "step1_entropy": [span("step1_entropy", "min"), span("step1_entropy", "max")],
             "final_entropy": [span("final_entropy", "min"), span("final_entropy", "max")],
             "mean_entropy": span("entropy", "mean"),
@@ -305,7 +329,7 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
         plt.close(fig)
         return
     panels = list(manifest["axes"].get(rung, [None])) if rung in axes_names else [None]
-    fig, axs = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.5), squeeze=False)
+    fig, axs = plt.subplots(2, len(panels), figsize=(max(4.2 * len(panels), 6.0), 6.5), squeeze=False)
     arms = list(manifest["axes"][arm])
     for j, panel in enumerate(panels):
         part = curves if panel is None else curves[curves[rung] == panel]
@@ -326,7 +350,7 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(arms), fontsize=8)
-    fig.suptitle(f"{manifest['label']}: {manifest['stage']}")
+    fig.suptitle("\n".join(textwrap.wrap(f"{manifest['label']}: {manifest['stage']}", 45 * len(panels))))
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120)

@@ -7,7 +7,9 @@
 Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
 logs stay in ``results/``); per probe: ``summary.json`` and ``tokens.csv`` restricted to
-:data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models.
+:data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models. An export
+replaces what it exports: the whole ``dose``/``study`` folder, or, for ``search``, each stage
+the results folder has a manifest of (the other stages' committed runs stay).
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ def main() -> None:
                   if "init" not in p.relative_to(args.results / args.what).parts)  # shared warm starts: no
     if not runs:
         raise SystemExit(f"export: no runs under {args.results / args.what}")
-    for folder in (args.what, "probe") if args.what == "study" else (args.what,):
-        shutil.rmtree(args.out / folder, ignore_errors=True)  # no stale runs from an earlier export
+    if args.what == "search":  # stages run in sittings from different results folders: replace the exported ones only
+        stale = [args.out / "search" / m.parent.name for m in (args.results / "search").glob("*/manifest.json")]
+    else:
+        stale = [args.out / folder for folder in ((args.what, "probe") if args.what == "study" else (args.what,))]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)  # no stale runs from an earlier export
     for run in runs:
         copy_run(run, args.out / run.relative_to(args.results))
     if args.what == "search":

@@ -274,8 +274,8 @@ def _stage_groups(stage: dict, caption: str, label: str) -> list[str]:
     if groups.empty or not (groups["finished"] > 0).any():
         return []
     shown = groups[groups["finished"] > 0]
-    cols = [c for c in ("lr", "arm", "finished", "collapsed", "collapse_rate_high", "final_reward", "entropy",
-                        "pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in shown]
+    cols = [c for c in ("lr", "arm", "finished", "collapsed", "collapse_rate_high", "final_reward", "reward_auc",
+                        "entropy", "pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in shown]
     confidence = stage["decision"]["rule"].get("confidence", 0.95)
     return [booktabs(shown[cols], f"{caption} (collapsed with the exact {100 * confidence:.0f}% upper bound on the "
                                   f"rate; entropy and mismatch are means over the steps, the mismatch before any "
@@ -292,9 +292,14 @@ def _span(values: list, unit: str = "") -> str:
 
 def _settings_text(env: dict) -> str:
     lr = ", ".join(f"{v:g}" for v in env.get("learning_rate") or [])
+    steps, logged = env.get("steps") or [], env.get("logged_steps") or []
+    # TRL logs once per generated batch: with several updates per batch the collapse rule's windows
+    # (counted in logged steps) span that many optimizer steps each
+    rows = f" ({_span(logged)} logged, one per generated batch: the collapse rule's windows count these)" \
+        if logged and steps and set(logged) != set(steps) else ""
     return (f"model {', '.join(env.get('models') or []) or 'n/a'}, sampling temperature "
             f"{_span(env.get('temperature') or [])}, {_span(env.get('max_completion_length') or [])}-token "
-            f"completions, {_span(env.get('steps') or [])} steps at learning rate(s) {lr or 'n/a'}, "
+            f"completions, {_span(steps)} optimizer steps{rows} at learning rate(s) {lr or 'n/a'}, "
             f"{_span(env.get('updates_per_generation') or [])} optimizer update(s) per generated batch")
 
 
@@ -339,6 +344,18 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
     verdict = (f"the difference is significant at p < 0.05 in the {' and '.join(significant)} stage"
                if significant else "at these counts no difference between the arms is significant (p >= 0.05)")
     beside = f"beside it, {'; '.join(seen)}: {verdict}" if seen else "no aligned arm ran beside it"
+    learning = []  # exploratory: how fast each arm learned, paired by seed (not part of any rule)
+    for name, st in stages:
+        c = st.get("comparison") or {}
+        for other, pair in (c.get("reward_auc_paired") or {}).items():
+            if pair["pairs"] > pair.get("ties", 0):
+                ties = f", {pair['ties']} tied" if pair.get("ties") else ""
+                learning.append(f"{name}: {c['reference_arm']} below {other} in {pair['reference_lower']} of "
+                                f"{pair['pairs'] - pair.get('ties', 0)} paired seeds{ties} (sign test p = "
+                                f"{pair['sign_test_p']:.2g})")
+    if learning:
+        beside += (". Not part of any rule, and looked at after the runs: reward AUC (how fast a run learned), "
+                   + "; ".join(learning))
     if collapsing:
         return escape(f"Stock BF16 collapsed naturally in the {' and '.join(collapsing)} stage: the study's claims are "
                       f"judged there by the ablation stage.")

@@ -180,7 +180,7 @@ def test_an_incomplete_grid_gets_no_verdict(tmp_path):
     assert row["state"] == "missing" and pd.isna(row["step1_mismatch"]) and pd.isna(row["step1_entropy"])
 
 
-@pytest.mark.parametrize("stage", ["pilot", "grid"])
+@pytest.mark.parametrize("stage", ["pilot", "grid", "lever"])
 def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
     """The committed pilot choice and grid decision are what analysis.collapse_search computes
     from the committed raw runs (and an unfinished grid has no verdict)."""
@@ -200,7 +200,7 @@ def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
         assert got["chosen"] == want["chosen"] and got["eligible"] == want["eligible"]
     else:
         assert got["decision"] == want["decision"]
-        manifest = json.loads((committed / "search/grid/manifest.json").read_text())
+        manifest = json.loads((committed / f"search/{stage}/manifest.json").read_text())
         finished = sum((committed / "search" / c["cell"] / "summary.json").exists() for c in manifest["cells"])
         assert (got["decision"]["outcome"] == "incomplete") == (finished < len(manifest["cells"]))
 
@@ -266,3 +266,38 @@ def test_a_stage_without_collapse_reports_its_envelope_and_the_arms_comparison(t
     c = summary["comparison"]
     assert (c["reference"], c["treatment"], c["fisher_p"]) == ([0, 8], [0, 0], None)  # this grid has no `all` arm
     assert len(manifest["cells"]) == 16
+
+
+@pytest.mark.cli  # the export is a script run in its own process
+def test_exporting_one_search_stage_keeps_the_other_stages_committed_runs(tmp_path):
+    """The grid and the lever ran from different worktrees; exporting the lever's results folder
+    replaces the committed lever stage and leaves the committed grid as it was."""
+    from tests.conftest import run_py
+
+    out = tmp_path / "reference"
+    _grid(out, none_falls=0, fp32_falls=0, stage="grid")
+    (out / "search" / "lever" / "lr1" / "none" / "seed9").mkdir(parents=True)  # a stale run of an earlier export
+    src = tmp_path / "lever-results"
+    _grid(src, none_falls=0, fp32_falls=0, stage="lever")
+    grid_before = sorted(p.relative_to(out) for p in (out / "search" / "grid").rglob("*"))
+    proc = run_py(["-m", "analysis.export_reference", "--results", str(src), "--out", str(out), "--what", "search"])
+    assert proc.returncode == 0, tail(proc)
+    assert sorted(p.relative_to(out) for p in (out / "search" / "grid").rglob("*")) == grid_before
+    assert (out / "search/lever/manifest.json").exists() and (out / "search/lever/lr2/none/seed0/summary.json").exists()
+    assert not (out / "search/lever/lr1/none/seed9").exists()
+
+
+def test_sign_test_and_the_paired_reward_auc_leave_ties_out(tmp_path):
+    from analysis.collapse_search import comparison, sign_test
+
+    assert sign_test(4, 4) == pytest.approx(0.125) and sign_test(0, 4) == pytest.approx(0.125)
+    assert sign_test(9, 12) == pytest.approx(0.1460, abs=1e-4) and sign_test(2, 4) == 1.0
+    assert sign_test(0, 0) is None
+    manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)  # none and fp32 learn identically: every pair tied
+    slow = tmp_path / "search" / "grid/lr2/none/seed1"  # one none run learns later: its reward AUC is lower
+    (slow / "metrics.jsonl").unlink()
+    _write_run(tmp_path / "slow", "x", [0.3] * 4 + [0.6] * 8, [0.01] * 12)
+    (tmp_path / "slow/search/x/metrics.jsonl").rename(slow / "metrics.jsonl")
+    runs, _ = load_runs(tmp_path, manifest)
+    paired = comparison(runs, RULE)["reward_auc_paired"]["fp32"]
+    assert paired == {"pairs": 8, "ties": 7, "reference_lower": 1, "sign_test_p": 1.0}
