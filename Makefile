@@ -6,7 +6,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CORES       ?= 2
 # pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers)
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1

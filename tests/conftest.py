@@ -15,11 +15,6 @@ SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
 """How a test starts a process (the helpers here and in the test modules)."""
 
 
-SHARED_RUNS = ("killed_and_resumed_run",)
-"""Module fixtures that cost a TRL run: under ``pytest -n`` (``make test``) the tests that use one
-form one ``xdist_group`` (``--dist loadgroup``), so the run is made once, not once per worker."""
-
-
 def pytest_configure(config):
     """A parallel worker (pytest-xdist) gets its own vLLM compile-cache base: two processes
     compiling the same configuration at once would write one cache entry together."""
@@ -34,12 +29,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Every test gets one kind: ``engine`` or ``cli`` as marked, else ``cli`` when its body
-    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``. Tests sharing a
-    :data:`SHARED_RUNS` fixture are grouped for parallel runs."""
+    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``."""
     for item in items:
-        for name in SHARED_RUNS:
-            if name in item.fixturenames:
-                item.add_marker(pytest.mark.xdist_group(name))
         if item.get_closest_marker("engine") or item.get_closest_marker("cli"):
             continue
         try:

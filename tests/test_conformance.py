@@ -19,9 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from rpa.sides.trainer import align_model
 
-# each variant compiles the model with Inductor (C++ through gcc): the engine kind; one worker runs the
-# module under `pytest -n`, so the stock baseline each aligned variant is held to is computed once
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("conformance")]
+# each variant compiles the model with Inductor (C++ through gcc): the engine kind
+pytestmark = pytest.mark.engine
 
 VARIANTS = {"stock": None,
             "aligned-bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),

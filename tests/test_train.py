@@ -94,7 +94,7 @@ def test_config_round_trips_every_knob():
         TrainConfig.from_dict({})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per process: a parallel worker interleaves other modules' tests
 def killed_and_resumed_run(tiny_dirs, tmp_path_factory):
     """Start a run, SIGKILL it once a checkpoint exists and later steps are logged, rerun it."""
     root = tmp_path_factory.mktemp("train")
