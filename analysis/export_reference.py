@@ -3,6 +3,11 @@
     python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what dose
     python -m analysis.export_reference --results results/study-cpu --out results/reference/study-cpu --what study
     python -m analysis.export_reference --results results/collapse-cpu --out results/reference/collapse-cpu --what search
+    python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what pipeline
+
+``pipeline`` is the probe pipeline of ``make main``: each parity report, each probe's
+``summary.json`` and ``tokens.csv`` (restricted as below), each diagnosis' ``summary.json`` and
+``layers.csv``, and its tables and figures.
 
 Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
@@ -33,9 +38,11 @@ TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv
                     "study_mismatch.md", "study_mismatch.tex", "study_sensitivity.csv", "study_sensitivity.md",
                     "study_sensitivity.tex", "probe.csv", "probe.md"),
           "search": tuple(f"search_{stage}.{ext}" for stage in ("pilot", "grid", "ablation", "lever")
-                          for ext in ("csv", "md", "json"))}
+                          for ext in ("csv", "md", "json")),
+          "pipeline": ("probe.csv", "probe.md", "diagnose.csv")}
 FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch"),
-           "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever"))}
+           "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever")),
+           "pipeline": ("mismatch", "dlogp_vs_prob", "layers")}
 
 
 def copy_run(src: Path, dst: Path) -> None:
@@ -59,12 +66,39 @@ def copy_probe(src: Path, dst: Path) -> None:
             writer.writerow({k: row.get(k, "") for k in TOKEN_COLUMNS})  # older probes: no entropy column
 
 
+def export_pipeline(results: Path, out: Path) -> int:
+    """The probe pipeline's parity reports, probes and diagnoses (what its tables are made from)."""
+    for folder in ("parity", "probe", "diagnose"):
+        shutil.rmtree(out / folder, ignore_errors=True)  # no stale cells from an earlier export
+    reports = sorted((results / "parity").glob("*.json"))
+    for report in reports:
+        (out / "parity").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(report, out / "parity" / report.name)
+    probes = sorted(p.parent for p in (results / "probe").glob("*/*/summary.json"))
+    for probe in probes:
+        copy_probe(probe, out / probe.relative_to(results))
+    diagnoses = sorted(p.parent for p in (results / "diagnose").glob("*/*/summary.json"))
+    for diagnosis in diagnoses:
+        dst = out / diagnosis.relative_to(results)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "layers.csv"):
+            shutil.copy2(diagnosis / name, dst / name)
+    return len(reports) + len(probes) + len(diagnoses)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--what", choices=("dose", "study", "search"), required=True)
+    parser.add_argument("--what", choices=("dose", "study", "search", "pipeline"), required=True)
     args = parser.parse_args()
+    if args.what == "pipeline":
+        cells = export_pipeline(args.results, args.out)
+        if not cells:
+            raise SystemExit(f"export: no parity, probe or diagnosis under {args.results}")
+        _copy_outputs(args)
+        print(f"export: {cells} parity reports, probes and diagnoses -> {args.out}")
+        return
     runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json")
                   if "init" not in p.relative_to(args.results / args.what).parts)  # shared warm starts: no
     if not runs:
@@ -84,12 +118,17 @@ def main() -> None:
         shutil.copy2(args.results / "study/manifest.json", args.out / "study/manifest.json")
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
             copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results))
+    _copy_outputs(args)
+    print(f"export: {len(runs)} runs -> {args.out}")
+
+
+def _copy_outputs(args: argparse.Namespace) -> None:
+    """The exported part's tables and figures (those that exist)."""
     for folder, names, ext in (("tables", TABLES[args.what], ""), ("figures", FIGURES[args.what], ".png")):
         (args.out / folder).mkdir(parents=True, exist_ok=True)
         for name in names:
             if (args.results / folder / f"{name}{ext}").exists():
                 shutil.copy2(args.results / folder / f"{name}{ext}", args.out / folder / f"{name}{ext}")
-    print(f"export: {len(runs)} runs -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -224,3 +224,24 @@ def test_the_schemas_numerics_enums_and_dose_range_are_numerics_configs():
     for spec in (bits, dose):
         assert (spec["minimum"], spec["maximum"]) == nc.MANTISSA_BITS
     assert set(numerics) <= set(nc.KEYS)
+
+
+@pytest.mark.cli  # the checker runs each analysis in a process of its own
+def test_the_committed_probe_pipeline_regenerates_and_its_export_round_trips(tmp_path, capsys):
+    """results/reference/cpu holds what its probe and diagnosis tables are made from: they
+    regenerate byte for byte, and exporting that folder again gives the same files."""
+    import filecmp
+
+    from analysis import check_reference
+
+    assert check_reference.main(["--only", "cpu"]) == 0
+    assert "cpu: 9 tables identical, 0 differ" in capsys.readouterr().out
+    ref = REPO / "results/reference/cpu"
+    proc = subprocess.run([sys.executable, "-m", "analysis.export_reference", "--results", str(ref), "--out",
+                           str(tmp_path), "--what", "pipeline"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for folder in ("parity", "probe", "diagnose"):
+        files = sorted(p.relative_to(ref) for p in (ref / folder).rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(tmp_path) for p in (tmp_path / folder).rglob("*") if p.is_file())
+        _, mismatch, errors = filecmp.cmpfiles(ref, tmp_path, [str(f) for f in files], shallow=False)
+        assert not mismatch and not errors, (mismatch, errors)
