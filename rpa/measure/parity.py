@@ -45,6 +45,8 @@ class ParityOptions:
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise InputError(f"parity option trainer_dtype: {self.trainer_dtype!r} is not one of "
                              f"{', '.join(TRAINER_DTYPES)}")
+
+
 DEFAULT_PROMPTS = (
     "What is 12 + 7? Answer:",
     "sort 3 1 2 -> 1 2 3",
