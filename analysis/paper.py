@@ -255,15 +255,15 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
         if top is not None:
             parts.append(top)
         lever_json = tables / "search_lever.json"
-        if lever_json.exists():
-            lever = json.loads(lever_json.read_text())
+        lever = json.loads(lever_json.read_text()) if lever_json.exists() else None
+        if lever is not None:
             parts.append(escape(f"The further lever, written in the config before any of it ran: "
                                 f"{_settings_text(lever.get('envelope') or {})}; the grid's arms, seeds, warm "
                                 f"starts and rules. {lever['decision']['statement']}"))
             parts += _stage_groups(lever, "Natural-collapse search: the lever stage per group", "tab:searchlever")
         else:
             parts.append(escape("The further lever (the config's lever stage) has not run yet."))
-        parts.append(_claims_text(grid, json.loads(lever_json.read_text()) if lever_json.exists() else None))
+        parts.append(_claims_text(grid, lever))
     write_text(path, "\n\n".join(parts) + "\n")
     return path
 
@@ -332,7 +332,7 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
     """What the search says about the study's two claims, from the stages' decisions and comparisons."""
     stages = [("grid", grid)] + ([("lever", lever)] if lever else [])
     collapsing = [name for name, st in stages if st["decision"].get("outcome") == "collapses naturally"]
-    seen, significant = [], []
+    seen, significant, learning = [], [], []  # learning: exploratory, paired by seed (not part of any rule)
     for name, st in stages:
         c = st.get("comparison") or {}
         if c.get("reference", [0, 0])[1] and c.get("treatment", [0, 0])[1]:
@@ -341,18 +341,15 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
                         f"{c['reference_arm']} {c['reference'][0]}/{c['reference'][1]} (Fisher exact p = {p:.2g})")
             if p < 0.05:
                 significant.append(name)
-    verdict = (f"the difference is significant at p < 0.05 in the {' and '.join(significant)} stage"
-               if significant else "at these counts no difference between the arms is significant (p >= 0.05)")
-    beside = f"beside it, {'; '.join(seen)}: {verdict}" if seen else "no aligned arm ran beside it"
-    learning = []  # exploratory: how fast each arm learned, paired by seed (not part of any rule)
-    for name, st in stages:
-        c = st.get("comparison") or {}
         for other, pair in (c.get("reward_auc_paired") or {}).items():
             if pair["pairs"] > pair.get("ties", 0):
                 ties = f", {pair['ties']} tied" if pair.get("ties") else ""
                 learning.append(f"{name}: {c['reference_arm']} below {other} in {pair['reference_lower']} of "
                                 f"{pair['pairs'] - pair.get('ties', 0)} paired seeds{ties} (sign test p = "
                                 f"{pair['sign_test_p']:.2g})")
+    verdict = (f"the difference is significant at p < 0.05 in the {' and '.join(significant)} stage"
+               if significant else "at these counts no difference between the arms is significant (p >= 0.05)")
+    beside = f"beside it, {'; '.join(seen)}: {verdict}" if seen else "no aligned arm ran beside it"
     if learning:
         beside += (". Not part of any rule, and looked at after the runs: reward AUC (how fast a run learned), "
                    + "; ".join(learning))

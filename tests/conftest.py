@@ -20,11 +20,9 @@ def pytest_configure(config):
     compiling the same configuration at once would write one cache entry together."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        from rpa.sides.engine import CACHE_BASE_ENV
+        from rpa.sides.engine import CACHE_BASE_ENV, cache_base
 
-        base = os.environ.get(CACHE_BASE_ENV) or os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
-        os.environ[CACHE_BASE_ENV] = os.path.join(base, f"pytest-{worker}")
+        os.environ[CACHE_BASE_ENV] = os.path.join(cache_base(), f"pytest-{worker}")
 
 
 def pytest_collection_modifyitems(config, items):

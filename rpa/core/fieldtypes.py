@@ -118,11 +118,16 @@ def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> No
                                 choices=f.metadata.get("choices"))
 
 
+def build(cls: type, values: dict[str, Any]) -> Any:
+    """The dataclass ``cls`` from ``values`` (some or all of its fields; the dataclass fills in
+    and checks the rest); a list for a tuple field (argparse's ``nargs``, YAML) becomes the tuple."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in values.items()})
+
+
 def from_args(cls: type, args) -> Any:
     """The dataclass ``cls`` built from the flags :func:`add_arguments` added."""
-    hints = typing.get_type_hints(cls)
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-    return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in values.items()})
+    return build(cls, {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def to_flags(obj: Any, names: tuple[str, ...] | None = None) -> str:

@@ -95,6 +95,13 @@ CACHE_BASE_ENV = "RPA_VLLM_CACHE_BASE"
 ``VLLM_CACHE_ROOT`` at a per-configuration subdirectory of it."""
 
 
+def cache_base() -> str:
+    """The vLLM cache root the per-configuration roots go under: :data:`CACHE_BASE_ENV` once set,
+    else the user's ``VLLM_CACHE_ROOT``, else vLLM's default (``$XDG_CACHE_HOME/vllm``)."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+    return os.environ.get(CACHE_BASE_ENV) or os.environ.get("VLLM_CACHE_ROOT", default)
+
+
 def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) -> str:
     """What vLLM's compile-cache key lacks: the region set and the kernel backend.
 
@@ -122,9 +129,7 @@ def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1)
     regions, bits = numerics.sampler_regions, numerics.mantissa_bits
     os.environ[ENV_VAR] = format_regions(regions)
     os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
-    if not os.environ.get(CACHE_BASE_ENV):
-        default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
-        os.environ[CACHE_BASE_ENV] = os.environ.get("VLLM_CACHE_ROOT", default)
+    os.environ[CACHE_BASE_ENV] = cache_base()
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions, bits))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     # collective_rpc ships the status/capture callables to the engine process by pickle.

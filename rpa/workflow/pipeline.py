@@ -38,13 +38,10 @@ def _tiny_problem(spec: Any) -> str | None:
 
 
 def _options(cls: type, section: dict[str, Any]):
-    """The dataclass ``cls`` of the options a config section names (the dataclass fills in and
-    checks the rest; a list where a tuple field is becomes the tuple)."""
-    import typing
+    """The dataclass ``cls`` of the options a config section names."""
+    from rpa.core.fieldtypes import build
 
-    hints = typing.get_type_hints(cls)
-    given = {f.name: section[f.name] for f in fields(cls) if f.name in section}
-    return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in given.items()})
+    return build(cls, {f.name: section[f.name] for f in fields(cls) if f.name in section})
 
 
 def probe_options(config: dict[str, Any]):
