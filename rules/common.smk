@@ -85,9 +85,15 @@ def analysis_figures(wildcards=None):
     return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=names)
 
 
-def write_job(path, job):
-    """A job's file (what `rpa probe|diagnose|parity --config` reads), written whole or not at all."""
+def yaml_text(data):
+    """A job or run file as the command reads it (``rpa probe|diagnose|parity --config``, ``rpa train
+    --config``): YAML, keys in the config's order."""
     import yaml
-    from rpa.core.jsonfiles import write_text
 
-    write_text(path, yaml.safe_dump(job, sort_keys=False))
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# The shell of the one-file jobs (job files, run configs, manifests): `params.text` written whole
+# or not at all. A shell job runs in Snakemake's own process; a `run:` job would be spawned as a new
+# Snakemake process that parses the whole workflow again (~2 s each, ~200 of them in the CPU miniature).
+WRITE_TEXT = "printf '%s' {params.text:q} > {output}.tmp && mv {output}.tmp {output}"

@@ -9,10 +9,10 @@ rule write_diagnose_job:
     output:
         f"{R}/jobs/diagnose/{{model}}/{{numerics}}.yaml",
     params:
-        job=lambda wc: diagnose_job(config, start_path(wc), wc.numerics,
-                                    f"{R}/probe/{wc.model}/{SAMPLER}/completions.jsonl", DEVICE),
-    run:
-        write_job(output[0], params.job)
+        text=lambda wc: yaml_text(diagnose_job(config, start_path(wc), wc.numerics,
+                                               f"{R}/probe/{wc.model}/{SAMPLER}/completions.jsonl", DEVICE)),
+    shell:
+        WRITE_TEXT
 
 
 rule diagnose:

@@ -39,13 +39,10 @@ localrules:
 rule dose_config:
     output:
         f"{R}/dose/{{cell}}/run.yaml",
-    run:
-        import yaml
-
-        if wildcards.cell not in DOSE:
-            raise ValueError(f"no dose cell {wildcards.cell}")
-        with open(output[0], "w") as f:
-            yaml.safe_dump(DOSE[wildcards.cell], f, sort_keys=False)
+    params:
+        text=lambda wc: yaml_text(DOSE[wc.cell]),
+    shell:
+        WRITE_TEXT
 
 
 rule dose_train:

@@ -9,9 +9,9 @@ rule write_parity_job:
     output:
         f"{R}/jobs/parity/{{model}}.yaml",
     params:
-        job=lambda wc: parity_job(config, start_path(wc), DEVICE),
-    run:
-        write_job(output[0], params.job)
+        text=lambda wc: yaml_text(parity_job(config, start_path(wc), DEVICE)),
+    shell:
+        WRITE_TEXT
 
 
 rule parity:

@@ -17,9 +17,10 @@ rule write_probe_job:
     output:
         f"{R}/jobs/probe/{{model}}/{{numerics}}.yaml",
     params:
-        job=lambda wc: probe_job(config, start_path(wc), wc.numerics, (probe_completions(wc) or [None])[0], DEVICE),
-    run:
-        write_job(output[0], params.job)
+        text=lambda wc: yaml_text(probe_job(config, start_path(wc), wc.numerics, (probe_completions(wc) or [None])[0],
+                                            DEVICE)),
+    shell:
+        WRITE_TEXT
 
 
 rule probe:

@@ -49,22 +49,18 @@ rule search_manifest:
     output:
         f"{R}/search/{{stage}}/manifest.json",
     params:
-        text=lambda wc: search_manifest_text(wc.stage),
-    run:
-        with open(output[0], "w") as f:
-            f.write(params.text + "\n")
+        text=lambda wc: search_manifest_text(wc.stage) + "\n",
+    shell:
+        WRITE_TEXT
 
 
 rule search_config:
     output:
         f"{R}/search/{{cell}}/run.yaml",
-    run:
-        import yaml
-
-        if wildcards.cell not in SEARCH:
-            raise ValueError(f"no search cell {wildcards.cell}")
-        with open(output[0], "w") as f:
-            yaml.safe_dump(SEARCH[wildcards.cell]["config"], f, sort_keys=False)
+    params:
+        text=lambda wc: yaml_text(SEARCH[wc.cell]["config"]),
+    shell:
+        WRITE_TEXT
 
 
 SEARCH_INITS = {p["init"]["name"]: p for p in SEARCH.values() if p["init"]}

@@ -22,14 +22,10 @@ localrules:
 rule train_config:
     output:
         f"{R}/train/{{model}}/{{setting}}/{{regions}}/seed{{seed}}/run.yaml",
-    run:
-        import yaml
-
-        key = (wildcards.model, wildcards.setting, wildcards.regions, wildcards.seed)
-        if key not in TRAIN:
-            raise ValueError(f"no train grid point {key}")
-        with open(output[0], "w") as f:
-            yaml.safe_dump(TRAIN[key], f, sort_keys=False)
+    params:
+        text=lambda wc: yaml_text(TRAIN[(wc.model, wc.setting, wc.regions, wc.seed)]),
+    shell:
+        WRITE_TEXT
 
 
 rule train:

@@ -81,6 +81,35 @@ def test_dry_run_plans_the_full_grid(tmp_path):
     assert counts["parity"] == n_models and counts["diagnose"] == n_models * len(DEFAULT["diagnose"]["configs"])
 
 
+@pytest.mark.cli
+def test_one_file_jobs_write_exactly_the_job_in_snakemakes_own_process(tmp_path):
+    """Job files and run configs are written by a shell job (a `run:` job would start a new
+    Snakemake process for each): byte for byte the YAML the command reads, nothing else left."""
+    from rpa.workflow.pipeline import model_location, parity_job, probe_job, study_points
+
+    results = tmp_path / "results"
+    cfg = write_config(tmp_path, {**DEFAULT, "results": str(results)})
+    probe = results / "jobs/probe/tiny-qwen3/rope.yaml"
+    parity = results / "jobs/parity/tiny-qwen3.yaml"
+    proc = snakemake(str(probe), str(parity), "--cores", "1", "--configfile", str(cfg), "--verbose")
+    assert proc.returncode == 0, tail(proc)
+    assert "spawned job" not in proc.stdout + proc.stderr
+    config = {**DEFAULT, "results": str(results)}
+    model = model_location(config, "tiny-qwen3")
+    completions = str(results / "probe/tiny-qwen3/none/completions.jsonl")
+    assert probe.read_text() == yaml.safe_dump(probe_job(config, model, "rope", completions, DEFAULT["device"]),
+                                               sort_keys=False)
+    assert parity.read_text() == yaml.safe_dump(parity_job(config, model, DEFAULT["device"]), sort_keys=False)
+    study = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+    cell = study_points({**study, "results": str(results)})[0]
+    run = results / "study" / cell["cell"] / "run.yaml"
+    proc = snakemake(str(run), "--cores", "1", "--configfile", "experiments/study-cpu.yaml",
+                     "--config", f"results={results}")
+    assert proc.returncode == 0, tail(proc)
+    assert run.read_text() == yaml.safe_dump(cell["config"], sort_keys=False)
+    assert not list(results.glob("**/*.tmp"))
+
+
 @pytest.mark.parametrize("mutate,needle", [
     (lambda c: c["probe"]["configs"].update({"bad-entry": {"regions": "rope,qk_norm"}}),
      "probe.configs.bad-entry: unknown region(s) 'qk_norm'"),
