@@ -7,8 +7,12 @@ forward + backward of the loss, weight sync into vLLM + its check, evaluation, a
 (optimizer, logging, checkpointing, TRL's bookkeeping). The "model floor" is generation +
 scoring + forward/backward: the share of the run the model's own compute takes.
 
-Run on a config with ``--set steps=N`` to time a short version. Summaries of finished runs can
-be printed without running: ``--summaries RUN_DIR/summary.json ...``.
+Run on a config with ``--set steps=N`` to time a short version. ``--one-process`` runs the
+configs in one ``rpa train`` process, each run taking over the previous one's vLLM engine where
+it can (as a study job of ``study.runs_per_process`` seeds does): the same configs with and
+without it give the saving side by side. Every process's wall time from start to exit (process
+exit included) is measured from outside. Summaries of finished runs can be printed without
+running: ``--summaries RUN_DIR/summary.json ...``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -57,20 +62,27 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run(config: Path, out: Path, overrides: list[str]) -> dict:
-    cfg = yaml.safe_load(config.read_text())
-    for item in overrides:
-        key, _, value = item.partition("=")
-        cfg[key] = yaml.safe_load(value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+def run(configs: list[Path], outs: list[Path], overrides: list[str]) -> tuple[list[dict], float]:
+    """``rpa train`` on ``configs`` in one process (the runs in turn, as ``rpa train`` with
+    several ``--config/--out`` runs them): their summaries, and the process's wall time from
+    its start to its exit, measured from outside."""
+    paths = []
+    for config, out in zip(configs, outs):
+        cfg = yaml.safe_load(config.read_text())
+        for item in overrides:
+            key, _, value = item.partition("=")
+            cfg[key] = yaml.safe_load(value)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path = out.with_suffix(".yaml")
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        paths += ["--config", str(path), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-m", "rpa.cli", "train", "--config", str(path), "--out", str(out)],
-                          env=env, capture_output=True, text=True)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "rpa.cli", "train", *paths], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"rpa train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+    return [json.loads((out / "summary.json").read_text()) for out in outs], wall
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,14 +90,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("configs", nargs="*", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override")
+    parser.add_argument("--one-process", action="store_true",
+                        help="run the configs in one rpa train process (as a study job of several seeds does) "
+                             "instead of one process each")
     parser.add_argument("--summaries", nargs="*", type=Path, default=[], help="print finished runs' timings")
     args = parser.parse_args(argv)
     for path in args.summaries:
         print(f"== {path}\n{table(json.loads(path.read_text()))}\n")
+    if not args.configs:
+        return 0
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-run-"))
-    for i, config in enumerate(args.configs):
-        summary = run(config, root / f"{i}-{config.stem}", args.set)
-        print(f"== {config} {' '.join(args.set)}\n{table(summary)}\n")
+    outs = [root / f"{i}-{config.stem}" for i, config in enumerate(args.configs)]
+    groups = [(args.configs, outs)] if args.one_process else [([c], [o]) for c, o in zip(args.configs, outs)]
+    total = 0.0
+    for configs, group_outs in groups:
+        summaries, wall = run(configs, group_outs, args.set)
+        total += wall
+        for config, summary in zip(configs, summaries):
+            taken = " (took over the previous run's vLLM engine)" if summary.get("engine_taken_over") else ""
+            print(f"== {config} {' '.join(args.set)}{taken}\n{table(summary)}\n")
+        print(f"process of {len(configs)} run(s): {wall:.1f} s from start to exit\n")
+    print(f"{len(args.configs)} run(s) in {len(groups)} process(es): {total:.1f} s of process wall time "
+          f"({total / len(args.configs):.1f} s per run)")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -121,17 +122,27 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rpa.train.grpo import run_train
+    from rpa.train.grpo import run_train, run_trains
     from rpa.train.config import TrainConfig
 
-    cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
-    s = run_train(cfg, args.out)
-    if "rank" in s:  # another process of a multi-process run: rank 0 reports
-        return 0
-    verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] else "no collapse"
-    print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
-          f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {args.out}")
-    return 0
+    cfgs = [TrainConfig.from_yaml(path) for path in args.config]  # checked in _check_inputs
+    if len(cfgs) == 1:
+        results = [run_train(cfgs[0], args.out[0])]  # its own failure propagates, as it always has
+    else:
+        results = run_trains(list(zip(cfgs, args.out)))
+    failed = 0
+    for s, out in zip(results, args.out):
+        if isinstance(s, Exception):
+            failed += 1
+            print(f"rpa train: {out}: failed: {s!r}", file=sys.stderr)
+            continue
+        if "rank" in s:  # another process of a multi-process run: rank 0 reports
+            continue
+        verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] \
+            else "no collapse"
+        print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
+              f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {out}")
+    return 1 if failed else 0
 
 
 def _cmd_warm_start(args: argparse.Namespace) -> int:
@@ -187,8 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     diag.set_defaults(func=_cmd_diagnose)
 
     train = sub.add_parser("train", help="GRPO run (TRL + colocated vLLM) with one numerics configuration")
-    train.add_argument("--config", required=True, help="run config YAML (see experiments/train/)")
-    train.add_argument("--out", required=True, help="run directory (resumes from its last checkpoint)")
+    train.add_argument("--config", required=True, action="append",
+                       help="run config YAML (see experiments/train/); repeated with --out for several runs in one "
+                            "process (one region set: a grid's seeds of one arm share the imports and the vLLM engine)")
+    train.add_argument("--out", required=True, action="append",
+                       help="run directory (resumes from its last checkpoint); one per --config, in order")
     train.set_defaults(func=_cmd_train)
 
     warm = sub.add_parser("warm-start", help="only the supervised warm start of a run config, as a shared "
@@ -255,14 +269,28 @@ def _check_inputs(args: argparse.Namespace) -> None:
     if args.command in ("train", "warm-start"):
         from rpa.train.config import TrainConfig
 
-        cfg = TrainConfig.from_yaml(args.config)
-        config = check_model(cfg.model)
-        context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
-        limit = getattr(config, "max_position_embeddings", None)
-        if args.command == "train" and limit and context > limit:
-            raise InputError(f"{args.config}: max_prompt_length + max_completion_length + vllm_context_slack = "
-                             f"{context} exceeds the model's max_position_embeddings ({limit})")
-        check_output(args.out, "dir", inputs=(cfg.model, args.config))
+        pairs = list(zip(args.config, args.out)) if args.command == "train" else [(args.config, args.out)]
+        if args.command == "train" and len(args.config) != len(args.out):
+            raise InputError(f"{len(args.config)} --config and {len(args.out)} --out: one run directory per config")
+        if args.command == "train" and len(set(map(os.path.abspath, args.out))) != len(args.out):
+            raise InputError("--out: a run directory is named twice")
+        cfgs = []
+        for path, out in pairs:
+            cfg = TrainConfig.from_yaml(path)
+            config = check_model(cfg.model)
+            context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
+            limit = getattr(config, "max_position_embeddings", None)
+            if args.command == "train" and limit and context > limit:
+                raise InputError(f"{path}: max_prompt_length + max_completion_length + vllm_context_slack = "
+                                 f"{context} exceeds the model's max_position_embeddings ({limit})")
+            check_output(out, "dir", inputs=(cfg.model, path))
+            cfgs.append(cfg)
+        if len(cfgs) > 1:
+            from rpa.train.grpo import engine_problems
+
+            problems = engine_problems(cfgs)
+            if problems:
+                raise InputError("these runs cannot share a process: " + "; ".join(problems))
         return
     numerics = _parity_numerics(args) if args.command == "parity" else _numerics(args)
     if args.command == "parity":

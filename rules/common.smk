@@ -3,8 +3,8 @@
 import re
 
 from rpa.workflow.pipeline import (diagnose_job, dose_init_config, dose_points, model_location, parity_job,
-                                   probe_job, search_points, study_arm_names, study_init_config, study_points,
-                                   study_resources, tiny_flags, train_points)
+                                   probe_job, search_points, study_arm_names, study_groups, study_init_config,
+                                   study_points, study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -21,12 +21,14 @@ TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] f
     if config.get("train") else {}
 DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose") else {}
 STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
+STUDY_GROUPS = study_groups(config) if config.get("study") else {}  # group -> its cells, one process each
 SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
 
 
 wildcard_constraints:
     model="|".join(map(re.escape, MODELS)),
     numerics="|".join(map(re.escape, CONFIGS)),
+    group="|".join(map(re.escape, STUDY_GROUPS)) or "(?!)",  # the study's jobs by name: no other .json under study/
 
 
 def model_path(wildcards):

@@ -1,36 +1,39 @@
 # Stage: the study (`study`): models x arms x seeds of GRPO, each cell one run directory
-# `study/<model>/<arm>/seed<N>`, resources scaled by model size; tables and figures across sizes.
+# `study/<model>/<arm>/seed<N>`; the seeds of one model and arm run in jobs of
+# `study.runs_per_process` runs (one process each, `study/<group>.json` its record), resources
+# scaled by model size; tables and figures across sizes.
 
-STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT: common.smk
+STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT, STUDY_GROUPS: common.smk
 
 
-def _cell_model(wildcards):
-    return wildcards.cell.split("/")[0]
+def _group_model(wildcards):
+    return wildcards.group.split("/")[0]
 
 
 def _study_res(key):
-    return lambda wc: study_resources(config, _cell_model(wc))[key]
+    return lambda wc: study_resources(config, _group_model(wc), len(STUDY_GROUPS[wc.group]))[key]
 
 
 def study_command(wildcards, input):
-    """``rpa train`` on the model's GPUs: one process, or accelerate with its multi-GPU config."""
-    res = study_resources(config, _cell_model(wildcards))
-    out = f"{R}/study/{wildcards.cell}"
+    """``rpa train`` on the model's GPUs for the group's runs: one process, or (one run)
+    accelerate with its multi-GPU config."""
+    res = study_resources(config, _group_model(wildcards))
+    runs = " ".join(f"--config {R}/study/{cell}/run.yaml --out {R}/study/{cell}" for cell in STUDY_GROUPS[wildcards.group])
     if res["launch"] == "single":
-        cmd = f"rpa train --config {input.cfg} --out {out}"
+        cmd = f"rpa train {runs}"
     else:
         cmd = (f"accelerate launch --config_file experiments/accelerate/{res['launch']}.yaml "
-               f"--num_processes {res['gpu']} -m rpa.cli train --config {input.cfg} --out {out}")
+               f"--num_processes {res['gpu']} -m rpa.cli train {runs}")
     return gpu_launch(res["gpu"]) + cmd
 
 
 def study_init_input(wildcards):
-    model = _cell_model(wildcards)
+    model = _group_model(wildcards)
     return [f"{R}/study/{model}/init/config.json"] if model in STUDY_SHARED_INIT else model_files(model)
 
 
-def study_summaries(wildcards=None):
-    return [f"{R}/study/{cell}/summary.json" for cell in STUDY]
+def study_jobs(wildcards=None):
+    return [f"{R}/study/{group}.json" for group in STUDY_GROUPS]
 
 
 def study_outputs(wildcards=None):
@@ -76,27 +79,27 @@ localrules:
 rule study_config:
     output:
         f"{R}/study/{{cell}}/run.yaml",
-    run:
-        import yaml
-
-        if wildcards.cell not in STUDY:
-            raise ValueError(f"no study cell {wildcards.cell}")
-        with open(output[0], "w") as f:
-            yaml.safe_dump(STUDY[wildcards.cell]["config"], f, sort_keys=False)
+    params:
+        text=lambda wc: yaml_text(STUDY[wc.cell]["config"]),
+    shell:
+        WRITE_TEXT
 
 
 rule study_train:
     input:
-        cfg=f"{R}/study/{{cell}}/run.yaml",
+        cfgs=lambda wc: [f"{R}/study/{cell}/run.yaml" for cell in STUDY_GROUPS[wc.group]],
         init=study_init_input,
     output:
-        # the summary is written for every end of a run (ok, collapsed, error): a run that failed
-        # is a result the tables show as failed; a run killed before it is missing and reruns
-        f"{R}/study/{{cell}}/summary.json",
+        # the job's record, written once every run has its summary.json (each run writes one for every
+        # end: ok, collapsed, error -- a failed run is a result the tables show as failed); the summaries
+        # are not the job's outputs, so a job stopped half-way keeps its finished runs and its rerun
+        # does only the rest (a killed run resumes from its checkpoint)
+        f"{R}/study/{{group}}.json",
     params:
         command=study_command,
+        dirs=lambda wc: " ".join(f"{R}/study/{cell}" for cell in STUDY_GROUPS[wc.group]),
     log:
-        f"{R}/logs/study/{{cell}}.log",
+        f"{R}/logs/study/{{group}}.log",
     conda:
         ENV
     resources:
@@ -105,7 +108,7 @@ rule study_train:
         runtime=_study_res("runtime"),
         cpus_per_task=_study_res("cpus_per_task"),
     shell:
-        "{params.command} > {log} 2>&1 || test -f {output}"
+        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} >> {log} 2>&1"
 
 
 def study_manifest_text():
@@ -123,15 +126,14 @@ rule study_manifest:
     output:
         f"{R}/study/manifest.json",
     params:
-        text=study_manifest_text() if STUDY else "",
-    run:
-        with open(output[0], "w") as f:
-            f.write(params.text + "\n")
+        text=study_manifest_text() + "\n" if STUDY else "",
+    shell:
+        WRITE_TEXT
 
 
 rule study_aggregate:
     input:
-        runs=study_summaries(),
+        jobs=study_jobs(),
         manifest=f"{R}/study/manifest.json",
         probe=f"{R}/tables/probe.csv",
     output:

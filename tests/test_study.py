@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from rpa.workflow.pipeline import deep_merge, study_points, study_resources, train_points
+from rpa.workflow.pipeline import check_config, deep_merge, study_groups, study_points, study_resources, train_points
 from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 
@@ -58,6 +58,51 @@ def test_gpu_study_sizes_and_resources():
     assert large["gpu"] > 1 and large["launch"] == "fsdp2" and large["mem_mb"] > small["mem_mb"]
 
 
+def test_the_miniature_runs_the_seeds_of_an_arm_in_one_process_and_every_cell_once(tmp_path):
+    groups = study_groups(STUDY_CPU)
+    cells = [c for group in groups.values() for c in group]
+    assert sorted(cells) == sorted(p["cell"] for p in study_points(STUDY_CPU))
+    seeds = STUDY_CPU["study"]["seeds"]
+    assert all(len(g) == len(seeds) == STUDY_CPU["study"]["runs_per_process"] for g in groups.values())
+    assert groups["mini-xs/none/seed0+1+2"] == ["mini-xs/none/seed0", "mini-xs/none/seed1", "mini-xs/none/seed2"]
+    two = study_groups({**STUDY_CPU, "study": {**STUDY_CPU["study"], "runs_per_process": 2}})
+    assert two["mini-l/fp16/seed0+1"] == ["mini-l/fp16/seed0", "mini-l/fp16/seed1"] and "mini-l/fp16/seed2" in two
+    assert study_resources(STUDY_CPU, "mini-l", 3)["runtime"] == 3 * study_resources(STUDY_CPU, "mini-l")["runtime"]
+    proc = snakemake("study", "-n", "--printshellcmds", "--configfile", "experiments/study-cpu.yaml",
+                     "--config", f"results={tmp_path / 'r'}")
+    assert proc.returncode == 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    assert len(_jobs(out, "study_train")) == len(groups)
+    r = tmp_path / "r" / "study" / "mini-xs" / "none"
+    assert (f"rpa train --config {r}/seed0/run.yaml --out {r}/seed0 --config {r}/seed1/run.yaml --out {r}/seed1 "
+            f"--config {r}/seed2/run.yaml --out {r}/seed2 ") in out
+    assert f"python -m rpa.workflow.runs --out {r}/seed0+1+2.json {r}/seed0 {r}/seed1 {r}/seed2" in out
+
+
+def test_several_runs_per_process_need_a_single_process_launch():
+    config = {**STUDY, "study": {**STUDY["study"], "runs_per_process": 2}}
+    with pytest.raises(Exception, match="study.runs_per_process: 2, but 'qwen3-8b' launches with 'fsdp2'"):
+        check_config(config)
+
+
+def test_a_job_record_needs_every_run_summary(tmp_path):
+    from rpa.workflow.runs import main
+
+    runs = [tmp_path / "seed0", tmp_path / "seed1"]
+    for d in runs:
+        d.mkdir()
+    (runs[0] / "summary.json").write_text('{"status": "ok", "steps": 20, "wall_s": 3.5, "engine_taken_over": false}')
+    record = tmp_path / "seed0+1.json"
+    assert main(["--out", str(record), *map(str, runs)]) == 1 and not record.exists()
+    (runs[1] / "summary.json").write_text('{"status": "error", "steps": 4, "wall_s": 1.0, "engine_taken_over": true}')
+    assert main(["--out", str(record), *map(str, runs)]) == 0
+    import json
+
+    got = json.loads(record.read_text())
+    assert got["schema"] == "rpa.study-job/1" and [r["status"] for r in got["runs"]] == ["ok", "error"]
+    assert [r["engine_taken_over"] for r in got["runs"]] == [False, True]
+
+
 def _jobs(dry_run_output: str, rule: str) -> list[dict[str, str]]:
     """(wildcards, resources) of each job of ``rule`` in a dry run's log."""
     jobs, current = [], None
@@ -77,11 +122,11 @@ def test_slurm_dry_run_lists_every_cell_once_with_gpu_resources(tmp_path):
                      "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
     jobs = _jobs(proc.stdout + proc.stderr, "study_train")
-    cells = [j["wildcards"].removeprefix("cell=") for j in jobs]
+    cells = [j["wildcards"].removeprefix("group=") for j in jobs]  # the GPU study: one run per job
     assert sorted(cells) == sorted(p["cell"] for p in study_points(STUDY))  # every cell, exactly once
     for j in jobs:
         res = dict(kv.split("=", 1) for kv in j["resources"].split(", "))
-        model = j["wildcards"].removeprefix("cell=").split("/")[0]
+        model = j["wildcards"].removeprefix("group=").split("/")[0]
         want = study_resources(STUDY, model)
         assert int(res["gpu"]) == want["gpu"] > 0 and "slurm_extra" not in res  # the plugin makes --gpus from gpu
         assert int(res["mem_mb"]) == want["mem_mb"] and int(res["runtime"]) == want["runtime"]

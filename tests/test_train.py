@@ -425,3 +425,69 @@ def test_finished_rollout_passes_the_sampler_tensor_itself_when_every_value_is_f
     assert not bad.any() and out["completion_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]
     assert out["old_per_token_logps"] is sampling  # the committed runs' path: no copy, same values
     assert local[2] == [0] * 4 + [1] * 4 + [2] * 3
+
+
+def _run_numbers(out) -> dict:
+    """What a run computed: its metric and evaluation logs without the clock's keys, and its
+    final weights (bit for bit)."""
+    from safetensors.torch import load_file
+
+    clock = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    metrics = [{k: v for k, v in r.items() if k not in clock}
+               for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return {"metrics": metrics, "eval": (out / "eval.jsonl").read_text(),
+            "weights": load_file(str(last / "model.safetensors"))}
+
+
+@pytest.mark.engine
+def test_runs_sharing_a_process_give_the_numbers_each_gives_alone(tiny_dirs, tmp_path):
+    """``rpa train`` with several runs: the second seed takes over the first one's vLLM engine
+    and computes what it computes alone in its own process -- the same metric log and the same
+    final weights bit for bit; a run whose engine differs (FP32 LM head) gets a new engine."""
+    import torch
+
+    base = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "checkpoint_every": 2, "eval_every": 2,
+            "warm_start": {"steps": 0}, "gradient_checkpointing": False, "vllm_enforce_eager": True,
+            "task": {**BASE["task"], "eval_prompts": 4}}
+    configs = {}
+    for name, extra in {"seed0": {"seed": 0}, "seed1": {"seed": 1},
+                        "head": {"seed": 1, "numerics": {"regions": "all", "lm_head_fp32": True}}}.items():
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump({**base, **extra}))
+    alone = run_py(["-m", "rpa.cli", "train", "--config", str(configs["seed1"]), "--out", str(tmp_path / "alone")])
+    assert alone.returncode == 0, tail(alone)
+    shared = ["-m", "rpa.cli", "train"]
+    for name in configs:
+        shared += ["--config", str(configs[name]), "--out", str(tmp_path / "shared" / name)]
+    proc = run_py(shared)
+    assert proc.returncode == 0, tail(proc)
+    summaries = {n: json.loads((tmp_path / "shared" / n / "summary.json").read_text()) for n in configs}
+    assert [summaries[n]["engine_taken_over"] for n in configs] == [False, True, False]
+    assert json.loads((tmp_path / "alone/summary.json").read_text())["engine_taken_over"] is False
+    assert all(s["status"] == "ok" and s["steps"] == 2 for s in summaries.values())
+    mine, solo = _run_numbers(tmp_path / "shared/seed1"), _run_numbers(tmp_path / "alone")
+    assert mine["metrics"] == solo["metrics"] and mine["eval"] == solo["eval"]
+    assert mine["weights"].keys() == solo["weights"].keys()
+    assert all(torch.equal(mine["weights"][k], solo["weights"][k]) for k in solo["weights"])
+    other = _run_numbers(tmp_path / "shared/seed0")
+    assert other["metrics"] != mine["metrics"]  # the seeds differ: equality above is not a constant
+    again = run_py(shared)  # every run finished: nothing to do
+    assert again.returncode == 0 and again.stderr.count("nothing to do") == 3, tail(again)
+
+
+def test_runs_of_different_region_sets_are_refused_one_process(tiny_dirs, tmp_path, capsys):
+    from rpa.cli import main
+
+    args = ["train"]
+    for name, regions in (("a", "all"), ("b", "rope")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "numerics": {"regions": regions}}))
+        args += ["--config", str(path), "--out", str(tmp_path / name)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot share a process" in err and "sampler regions ['rope']" in err and "fixed per process" in err, err
+    assert main(args[:7]) == 2 and "2 --config and 1 --out" in capsys.readouterr().err
+    assert main(["train", "--config", args[2], "--out", args[4], "--config", args[2], "--out", args[4]]) == 2
+    assert "named twice" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

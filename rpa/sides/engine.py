@@ -37,6 +37,19 @@ def _worker_stop_capture(worker) -> list[dict[str, Any]]:
     return stop_capture()
 
 
+def _worker_reseed(worker) -> None:
+    from vllm.utils.torch_utils import set_random_seed
+
+    set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
+
+
+def reseed_engine(llm) -> None:
+    """Seed every worker of ``llm`` as a new engine seeds itself at the end of its start-up
+    (``random``, NumPy and torch from the engine's ``seed``): an engine taken over by the next
+    run of a process then samples as a freshly started one would."""
+    llm.collective_rpc(_worker_reseed)
+
+
 def worker_status(llm) -> list[dict[str, Any]]:
     """:func:`rpa.sides.vllm_plugin.plugin_status` from every worker of ``llm``."""
     return llm.collective_rpc(_worker_status)

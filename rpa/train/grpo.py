@@ -210,12 +210,15 @@ def _claim_rendezvous_port() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
-def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
+def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float | None = None) -> dict[str, Any]:
     """Run (or resume) the GRPO run ``cfg`` in ``out_dir``; returns the summary.
 
     Safe to start again: a finished run does nothing and returns its summary, a killed one
     resumes from its last checkpoint, and a second process on the same directory is refused
-    (:class:`~rpa.train.rundir.RunDirectoryBusy`).
+    (:class:`~rpa.train.rundir.RunDirectoryBusy`). ``engines``
+    (:class:`~rpa.train.trl_adapter.EnginePool`) keeps the run's vLLM engine for the next run
+    of the process (:func:`run_trains`); ``after`` (a ``time.time()``) is when the previous run of
+    the process ended, from which this run's start-up is counted (default: the process start).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -239,9 +242,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     from rpa.core.timing import Timings, process_age_s
 
     timings = Timings()
-    age = process_age_s()
+    age = process_age_s() if after is None else t0 - after
     if age is not None:
-        timings.add("process_start_to_run", age)  # interpreter start, imports, CLI
+        timings.add("process_start_to_run", age)  # interpreter start, imports, CLI (or since the previous run)
 
     started = provenance()  # the code that ran is the code at the start
 
@@ -315,7 +318,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
         trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                               callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
-                              rpa_config=cfg, probe_ids=probe)
+                              rpa_config=cfg, probe_ids=probe, engines=engines)
         timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
         trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
         try:
@@ -326,6 +329,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                 trainer.rpa_evaluate(cfg.steps)
         except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
             error = err
+            if engines is not None:
+                engines.drop()  # an engine a run failed in is not handed to the next one
     nonfinite_weights = model is not None and _any_nonfinite(model)  # every rank takes part (FSDP2 shards)
     if not main:
         if error is not None:
@@ -349,7 +354,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
                "status": "ok" if error is None else "diverged" if diverged else "collapsed" if blew_up else "error",
                "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
                "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
-               "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped, "provenance": started}
+               "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped,
+               "engine_taken_over": bool(getattr(trainer, "rpa_engine_taken_over", False)), "provenance": started}
     try:
         write_json(out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
     except OSError:
@@ -359,3 +365,52 @@ def run_train(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     if error is not None and not blew_up:
         raise error
     return summary
+
+
+def engine_problems(cfgs: list[TrainConfig]) -> list[str]:
+    """Why runs ``cfgs`` cannot share one process: the vLLM plugin's region set and sampler
+    perturbation are fixed per process (:mod:`rpa.sides.vllm_plugin`), and a run under
+    ``accelerate launch`` owns its processes."""
+    first = cfgs[0].numerics
+    problems = [f"run {i + 1}: sampler regions {sorted(c.numerics.sampler_regions)} / perturbation "
+                f"{c.numerics.mantissa_bits} differ from run 1's {sorted(first.sampler_regions)} / "
+                f"{first.mantissa_bits} (fixed per process)"
+                for i, c in enumerate(cfgs[1:], 1)
+                if (c.numerics.sampler_regions, c.numerics.mantissa_bits) != (first.sampler_regions, first.mantissa_bits)]
+    if len(cfgs) > 1 and world_size() > 1:
+        problems.append(f"{len(cfgs)} runs under a {world_size()}-process launch: one run per launch")
+    return problems
+
+
+def run_trains(runs: list[tuple[TrainConfig, str | Path]]) -> list[dict[str, Any] | Exception]:
+    """``rpa train`` with several runs: each run of ``runs`` in turn, in this process, as
+    :func:`run_train` would run it alone (a finished one does nothing, a killed one resumes),
+    each taking over the previous run's vLLM engine where the engine would be the same
+    (:class:`~rpa.train.trl_adapter.EnginePool`): a grid's seeds of one arm pay the imports
+    and the engine start once. A run that fails does not stop the others; its exception takes
+    its place in the list returned."""
+    problems = engine_problems([cfg for cfg, _ in runs])
+    if problems:
+        raise TrainConfigError("these runs cannot share a process: " + "; ".join(problems))
+    from rpa.train.trl_adapter import EnginePool
+
+    engines, results, ended = EnginePool(), [], None
+    try:
+        for i, (cfg, out) in enumerate(runs, 1):
+            if len(runs) > 1:
+                _log(f"run {i} of {len(runs)}: {out}")
+            try:
+                results.append(run_train(cfg, out, engines, after=ended))
+            except Exception as err:  # noqa: BLE001 - the next runs go on; the caller reports it
+                _log(f"run {i} of {len(runs)} ({out}) failed: {err!r}")
+                engines.drop()
+                results.append(err)
+            finally:
+                import gc
+
+                gc.collect()  # the run's trainer and model, before the next one loads
+                ended = time.time()
+    finally:
+        engines.drop()
+    return results
+

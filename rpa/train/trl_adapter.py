@@ -46,18 +46,83 @@ if trl.__version__ != TRL_VERSION:
                           f"trl {trl.__version__} is installed; install the lock (requirements/cpu.txt or gpu.txt)")
 
 
+ENGINE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", "rpa_init.json")
+"""Files of a checkpoint directory that do not make an engine: the weights (replaced when an
+engine is taken over) and rpa's own notes."""
+
+
+def checkpoint_layout(path: str) -> str:
+    """A fingerprint of what a vLLM engine reads from checkpoint ``path`` besides the weights
+    (``config.json``, the generation config, the tokenizer): two runs whose layouts are equal
+    can share an engine once the second run's weights are loaded into it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).iterdir()):
+        if file.is_file() and not file.name.endswith(ENGINE_FILES_SKIPPED):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class EnginePool:
+    """The colocated vLLM engine of the previous run of this process, kept for the next one
+    (``rpa train`` with several runs). TRL builds one engine per trainer; a run whose engine
+    would be built with the same arguments from a checkpoint of the same layout
+    (:func:`checkpoint_layout`) takes the kept one instead: seeded at once as a new engine
+    seeds itself (:func:`rpa.sides.engine.reseed_engine`), and given the run's weights before
+    anything reads it (:class:`RpaGRPOTrainer`). A run that fails drops the engine."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.llm = None
+        self.started = 0  # engines built
+        self.taken_over = 0  # runs that took the kept engine
+
+    def get(self, build, kwargs: dict[str, Any]):
+        """The engine for ``build(**kwargs)``, and whether it was taken over (True) or built."""
+        from rpa.sides.engine import reseed_engine
+
+        key = (checkpoint_layout(kwargs["model"]),
+               tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "model")))
+        if self.llm is not None and key == self.key:
+            reseed_engine(self.llm)
+            self.taken_over += 1
+            return self.llm, True
+        self.drop()
+        self.llm, self.key = build(**kwargs), key
+        self.started += 1
+        return self.llm, False
+
+    def drop(self) -> None:
+        from rpa.sides.engine import close_llm, release_memory
+
+        if self.llm is not None:
+            close_llm(self.llm)
+            self.llm, self.key = None, None
+            release_memory()
+
+
 @contextlib.contextmanager
-def colocated_llm_args(cfg: TrainConfig):
+def colocated_llm_args(cfg: TrainConfig, engines: EnginePool | None = None, taken: list | None = None):
     """TRL 1.16 builds its colocated ``vllm.LLM`` with fixed arguments: no dtype (so vLLM's
     ``auto`` decides: FP32 checkpoints are downcast and FP16 falls back to BF16 where the
     platform prefers it) and vLLM's default compilation. While TRL builds the engine, the
-    ``LLM`` it calls gets the configuration's dtype and ``enforce_eager``."""
-    import functools
-
+    ``LLM`` it calls gets the configuration's dtype and ``enforce_eager``, and comes from
+    ``engines`` where one is kept (``taken`` gets True appended when it was taken over)."""
     import trl.generation.vllm_generation as generation
 
     stock = generation.LLM
-    generation.LLM = functools.partial(stock, dtype=cfg.numerics.dtype_name, enforce_eager=cfg.vllm_enforce_eager)
+
+    def build(**kwargs):
+        kwargs = {**kwargs, "dtype": cfg.numerics.dtype_name, "enforce_eager": cfg.vllm_enforce_eager}
+        if engines is None:
+            return stock(**kwargs)
+        llm, took_over = engines.get(stock, kwargs)
+        if taken is not None:
+            taken.append(took_over)
+        return llm
+
+    generation.LLM = build
     try:
         yield
     finally:
@@ -113,14 +178,17 @@ def make_trainer_class():
     from rpa.measure.scoring import sync_gap, token_logps_and_entropy
 
     class RpaGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None, **kwargs):
+        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None,
+                     engines: EnginePool | None = None, **kwargs):
             from rpa.core.timing import Timings
 
             self.rpa_config = rpa_config
             self.rpa_probe_ids = probe_ids
             self.rpa_timings = timings if timings is not None else Timings()
-            with colocated_llm_args(rpa_config):
+            taken: list[bool] = []
+            with colocated_llm_args(rpa_config, engines, taken):
                 super().__init__(*args, **kwargs)
+            self.rpa_engine_taken_over = any(taken)
             from rpa.sides.engine import verify_plugin
 
             if self.ref_model is not None:
@@ -137,6 +205,8 @@ def make_trainer_class():
             if not torch.cuda.is_available():
                 self.vllm_generation.sync_weights = self._sync_weights_reload
             stock_sync = self.vllm_generation.sync_weights
+            if self.rpa_engine_taken_over:  # it holds the previous run's last weights: this run's, before any use
+                stock_sync()
 
             def sync_and_check():
                 stock_sync()

@@ -300,6 +300,24 @@ def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
+def study_groups(config: dict[str, Any]) -> dict[str, list[str]]:
+    """The study's cells by process: the seeds of one model and arm, in the config's order, in
+    groups of ``study.runs_per_process`` (one ``rpa train`` each, sharing the imports and the
+    vLLM engine). A group is named after its first cell with the other seeds appended
+    (``<model>/<arm>/seed0+1+2``; a group of one is its cell's name)."""
+    size = int(config["study"].get("runs_per_process", 1))
+    by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in study_points(config):
+        by_arm.setdefault((p["model"], p["arm"]), []).append(p)
+    groups = {}
+    for (model, arm), points in by_arm.items():
+        for i in range(0, len(points), size):
+            chunk = points[i:i + size]
+            name = f"{model}/{arm}/seed" + "+".join(str(p["seed"]) for p in chunk)
+            groups[name] = [p["cell"] for p in chunk]
+    return groups
+
+
 def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
     """The arms ``model`` runs: every arm of ``study.arms``, then its own ``study.size_arms``
     (e.g. the sampler-perturbation positive control on the smallest size only)."""
@@ -325,10 +343,12 @@ def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | No
     return {**sized, "model": model_location(config, model)}
 
 
-def study_resources(config: dict[str, Any], model: str) -> dict[str, Any]:
-    """Scheduler resources of one training run of ``model`` (``study.resources``, by size)."""
+def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[str, Any]:
+    """Scheduler resources of one process of ``runs`` training runs of ``model``
+    (``study.resources`` gives one run's, by size; the runtime adds up)."""
     defaults = {"gpu": 0, "mem_mb": 8000, "runtime": 120, "cpus_per_task": 2, "launch": "single"}
-    return {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
+    res = {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
+    return {**res, "runtime": res["runtime"] * runs}
 
 
 def _study_problems(config: dict[str, Any]) -> list[str]:
@@ -345,6 +365,10 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                  if m not in study["models"]]
     problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
                  (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
+    if int(study.get("runs_per_process", 1)) > 1:
+        problems += [f"study.runs_per_process: {study['runs_per_process']}, but {m!r} launches with "
+                     f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
+                     for m in study["models"] if study_resources(config, m)["launch"] != "single"]
     if problems:
         return problems
     try:
