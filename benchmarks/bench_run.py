@@ -1,6 +1,7 @@
 """Where one GRPO run's wall time goes: ``python benchmarks/bench_run.py CONFIG.yaml [...]
 [--out DIR] [--set key=value ...]`` runs ``rpa train`` on each config (in its own process, as a
-grid would) and prints, from the run's ``summary.json`` ``timings``: process start + imports,
+grid would) and prints, from the run's ``summary.json`` ``timings``: process start + the CLI's
+imports, the run's set-up (the training stack's imports, task, tokenizers, the trainer model),
 the warm start / init checkpoint, trainer + vLLM engine start (incl. compilation), and within
 training: generation, the trainer's no-grad scoring (old logprobs, mismatch metrics), the
 forward + backward of the loss, weight sync into vLLM + its check, evaluation, and the rest
@@ -38,7 +39,10 @@ def table(summary: dict) -> str:
     total = (summary.get("wall_s") or 0.0) + g("process_start_to_run")
     steps = summary.get("steps") or 0
     score = g("generate_and_score") - g("generate") - g("sync_weights_and_check")
-    rows = [("process start + imports", g("process_start_to_run"), calls.get("process_start_to_run", 0)),
+    rows = [("process start + CLI imports (or since the process's previous run)", g("process_start_to_run"),
+             calls.get("process_start_to_run", 0)),
+            ("run set-up: provenance, training-stack imports, task, trainer model load", g("run_setup"),
+             calls.get("run_setup", 0)),
             ("warm start + init checkpoint", g("init_model"), calls.get("init_model", 0)),
             ("trainer + vLLM engine start (compile), first sync check", g("trainer_and_engine_start"), 1),
             ("generation (vLLM)", g("generate"), calls.get("generate", 0)),
@@ -52,10 +56,10 @@ def table(summary: dict) -> str:
             ("optimizer, logging, checkpoints", g("train") - g("training_step"), 0)]
     rest = total - sum(v for label, v, _ in rows if not label.startswith("  "))
     rows.append(("summary, process exit, unaccounted", rest, 0))
-    lines = [f"{'phase':62s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
-    lines += [f"{label:62s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
+    lines = [f"{'phase':72s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
+    lines += [f"{label:72s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
     floor = g("generate") + g("trainer_logprobs_no_grad") + g("training_step") - g("generate_and_score")
-    lines.append(f"{'total (process start to summary)':62s} {total:9.1f}")
+    lines.append(f"{'total (process start to summary)':72s} {total:9.1f}")
     lines.append(f"model floor (generation + trainer scoring + loss fwd/bwd): {floor:.1f} s = "
                  f"{100 * floor / total:.1f}% of the run, overhead {100 - 100 * floor / total:.1f}%; {steps} steps, "
                  f"{g('train') / max(steps, 1):.2f} s/step in the loop")
@@ -109,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         for config, summary in zip(configs, summaries):
             taken = " (took over the previous run's vLLM engine)" if summary.get("engine_taken_over") else ""
             print(f"== {config} {' '.join(args.set)}{taken}\n{table(summary)}\n")
-        print(f"process of {len(configs)} run(s): {wall:.1f} s from start to exit\n")
+        inside = sum((sm.get("wall_s") or 0.0) + sm["timings"].get("process_start_to_run", {}).get("seconds", 0.0)
+                     for sm in summaries)
+        print(f"process of {len(configs)} run(s): {wall:.1f} s from start to exit, {inside:.1f} s of it in the "
+              f"runs' tables, {wall - inside:.1f} s after the last summary (engine shutdown, process exit)\n")
     print(f"{len(args.configs)} run(s) in {len(groups)} process(es): {total:.1f} s of process wall time "
           f"({total / len(args.configs):.1f} s per run)")
     return 0

@@ -99,3 +99,6 @@ def yaml_text(data):
 # or not at all. A shell job runs in Snakemake's own process; a `run:` job would be spawned as a new
 # Snakemake process that parses the whole workflow again (~2 s each, ~200 of them in the CPU miniature).
 WRITE_TEXT = "printf '%s' {params.text:q} > {output}.tmp && mv {output}.tmp {output}"
+# A shared warm start: its run config (params.cfg, from params.text), then `rpa warm-start` on it.
+WARM_START = ("printf '%s' {params.text:q} > {params.cfg}.tmp && mv {params.cfg}.tmp {params.cfg} && "
+              "rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")

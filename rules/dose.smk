@@ -17,6 +17,7 @@ rule dose_init:
     params:
         out=f"{R}/dose/init",
         cfg=f"{R}/dose/init.yaml",
+        text=lambda wc: yaml_text(dose_init_config(config)),
     log:
         f"{R}/logs/dose/init.log",
     conda:
@@ -24,12 +25,8 @@ rule dose_init:
     resources:
         mem_mb=4000,
         runtime=30,
-    run:
-        import yaml
-
-        with open(params.cfg, "w") as f:
-            yaml.safe_dump(dose_init_config(config), f, sort_keys=False)
-        shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
+    shell:
+        WARM_START
 
 
 localrules:

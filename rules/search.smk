@@ -88,6 +88,7 @@ rule search_init:
     params:
         out=lambda wc: f"{R}/search/init/{wc.name}",
         cfg=lambda wc: f"{R}/search/init/{wc.name}.yaml",
+        text=lambda wc: yaml_text(SEARCH_INITS[wc.name]["init"]["config"]),
     log:
         f"{R}/logs/search/init/{{name}}.log",
     conda:
@@ -95,12 +96,8 @@ rule search_init:
     resources:
         mem_mb=4000,
         runtime=60,
-    run:
-        import yaml
-
-        with open(params.cfg, "w") as f:
-            yaml.safe_dump(SEARCH_INITS[wildcards.name]["init"]["config"], f, sort_keys=False)
-        shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
+    shell:
+        WARM_START
 
 
 rule search_train:

@@ -55,6 +55,7 @@ rule study_init:
     params:
         cfg=lambda wc: f"{R}/study/{wc.model}/init.yaml",
         out=lambda wc: f"{R}/study/{wc.model}/init",
+        text=lambda wc: yaml_text(study_init_config(config, wc.model)),
     log:
         f"{R}/logs/study/{{model}}/init.log",
     conda:
@@ -62,12 +63,8 @@ rule study_init:
     resources:
         mem_mb=4000,
         runtime=60,
-    run:
-        import yaml
-
-        with open(params.cfg, "w") as f:
-            yaml.safe_dump(study_init_config(config, wildcards.model), f, sort_keys=False)
-        shell("rpa warm-start --config {params.cfg} --out {params.out} > {log} 2>&1")
+    shell:
+        WARM_START
 
 
 # one-line jobs that write a file from the config: run by Snakemake itself, never submitted

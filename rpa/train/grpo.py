@@ -242,6 +242,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     from rpa.core.timing import Timings, process_age_s
 
     timings = Timings()
+    setup_start = time.perf_counter()
     age = process_age_s() if after is None else t0 - after
     if age is not None:
         timings.add("process_start_to_run", age)  # interpreter start, imports, CLI (or since the previous run)
@@ -315,6 +316,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
         args = grpo_args(cfg, out)
         settings = grpo_settings(args)
         trainer_init = time.perf_counter()
+        # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
+        timings.add("run_setup", trainer_init - setup_start - timings.seconds.get("init_model", 0.0))
         trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                               callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
