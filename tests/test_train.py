@@ -491,3 +491,21 @@ def test_runs_of_different_region_sets_are_refused_one_process(tiny_dirs, tmp_pa
     assert main(["train", "--config", args[2], "--out", args[4], "--config", args[2], "--out", args[4]]) == 2
     assert "named twice" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
+    """What decides whether a run may take over the previous run's engine: every file vLLM reads
+    but the weights (which the run replaces) and rpa's own notes."""
+    from rpa.train.trl_adapter import checkpoint_layout
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, weights in ((a, b"1"), (b, b"2")):
+        d.mkdir()
+        (d / "config.json").write_text('{"dtype": "bfloat16"}')
+        (d / "tokenizer.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(weights)
+        (d / "rpa_init.json").write_text(f'{{"source": "{d}"}}')
+    assert checkpoint_layout(str(a)) == checkpoint_layout(str(b))
+    (b / "config.json").write_text('{"dtype": "bfloat16", "head_dtype": "float32"}')
+    assert checkpoint_layout(str(a)) != checkpoint_layout(str(b))
+    assert checkpoint_layout("Qwen/Qwen3-0.6B") == "id:Qwen/Qwen3-0.6B" != checkpoint_layout(str(a))

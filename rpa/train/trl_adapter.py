@@ -58,6 +58,8 @@ def checkpoint_layout(path: str) -> str:
     import hashlib
 
     digest = hashlib.sha256()
+    if not Path(path).is_dir():  # a hub id: nothing local to compare, so only the same id matches
+        return f"id:{path}"
     for file in sorted(Path(path).iterdir()):
         if file.is_file() and not file.name.endswith(ENGINE_FILES_SKIPPED):
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
