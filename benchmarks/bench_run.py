@@ -29,6 +29,10 @@ from pathlib import Path
 
 import yaml
 
+LABEL_WIDTH = 72
+"""Width of the phase column of :func:`table` (the seconds follow in the next 10 characters)."""
+
+
 def table(summary: dict) -> str:
     """TRL nests the phases: ``train`` > ``training_step`` (per micro-batch) > ``generate_and_score``
     (on a micro-batch that starts a generation) > ``generate``, the weight sync + check and the
@@ -56,10 +60,10 @@ def table(summary: dict) -> str:
             ("optimizer, logging, checkpoints", g("train") - g("training_step"), 0)]
     rest = total - sum(v for label, v, _ in rows if not label.startswith("  "))
     rows.append(("summary, process exit, unaccounted", rest, 0))
-    lines = [f"{'phase':72s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
-    lines += [f"{label:72s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
+    lines = [f"{'phase':{LABEL_WIDTH}s} {'seconds':>9s} {'share':>7s} {'calls':>6s}"]
+    lines += [f"{label:{LABEL_WIDTH}s} {v:9.1f} {100 * v / total:6.1f}% {n:6d}" for label, v, n in rows]
     floor = g("generate") + g("trainer_logprobs_no_grad") + g("training_step") - g("generate_and_score")
-    lines.append(f"{'total (process start to summary)':72s} {total:9.1f}")
+    lines.append(f"{'total (process start to summary)':{LABEL_WIDTH}s} {total:9.1f}")
     lines.append(f"model floor (generation + trainer scoring + loss fwd/bwd): {floor:.1f} s = "
                  f"{100 * floor / total:.1f}% of the run, overhead {100 - 100 * floor / total:.1f}%; {steps} steps, "
                  f"{g('train') / max(steps, 1):.2f} s/step in the loop")
