@@ -10,6 +10,11 @@ def _group_model(wildcards):
     return wildcards.group.split("/")[0]
 
 
+def _group_dirs(wildcards):
+    """The run directories of the group's cells, in order."""
+    return [f"{R}/study/{cell}" for cell in STUDY_GROUPS[wildcards.group]]
+
+
 def _study_res(key):
     return lambda wc: study_resources(config, _group_model(wc), len(STUDY_GROUPS[wc.group]))[key]
 
@@ -18,7 +23,7 @@ def study_command(wildcards, input):
     """``rpa train`` on the model's GPUs for the group's runs: one process, or (one run)
     accelerate with its multi-GPU config."""
     res = study_resources(config, _group_model(wildcards))
-    runs = " ".join(f"--config {R}/study/{cell}/run.yaml --out {R}/study/{cell}" for cell in STUDY_GROUPS[wildcards.group])
+    runs = " ".join(f"--config {d}/run.yaml --out {d}" for d in _group_dirs(wildcards))
     if res["launch"] == "single":
         cmd = f"rpa train {runs}"
     else:
@@ -84,7 +89,7 @@ rule study_config:
 
 rule study_train:
     input:
-        cfgs=lambda wc: [f"{R}/study/{cell}/run.yaml" for cell in STUDY_GROUPS[wc.group]],
+        cfgs=lambda wc: [f"{d}/run.yaml" for d in _group_dirs(wc)],
         init=study_init_input,
     output:
         # the job's record, written once every run has its summary.json (each run writes one for every
@@ -94,7 +99,7 @@ rule study_train:
         f"{R}/study/{{group}}.json",
     params:
         command=study_command,
-        dirs=lambda wc: " ".join(f"{R}/study/{cell}" for cell in STUDY_GROUPS[wc.group]),
+        dirs=lambda wc: " ".join(_group_dirs(wc)),
     log:
         f"{R}/logs/study/{{group}}.log",
     conda:

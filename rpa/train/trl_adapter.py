@@ -77,8 +77,6 @@ class EnginePool:
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.llm = None
-        self.started = 0  # engines built
-        self.taken_over = 0  # runs that took the kept engine
 
     def get(self, build, kwargs: dict[str, Any]):
         """The engine for ``build(**kwargs)``, and whether it was taken over (True) or built."""
@@ -88,11 +86,9 @@ class EnginePool:
                tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "model")))
         if self.llm is not None and key == self.key:
             reseed_engine(self.llm)
-            self.taken_over += 1
             return self.llm, True
         self.drop()
         self.llm, self.key = build(**kwargs), key
-        self.started += 1
         return self.llm, False
 
     def drop(self) -> None:
