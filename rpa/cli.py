@@ -338,5 +338,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def exit_now(code: int) -> None:
+    """End the process with ``code`` once :func:`main` has returned, without the interpreter's
+    teardown: after a run, collecting torch's, vLLM's and the engine's objects module by module
+    takes ~1.5 s of CPU (measured on a 2-core CPU), paid by each of the ~100 processes of the
+    CPU miniature. Everything a normal exit does that can matter still happens, in its order:
+    other non-daemon threads are joined, ``atexit`` handlers run (logging's flush, vLLM's
+    shutdown hooks, ``weakref.finalize`` clean-ups, multiprocessing's children), stdout and
+    stderr are flushed. Every result file is already closed and written atomically."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # CPython's own exit path calls this; the only private name used here
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def run() -> None:
+    """The ``rpa`` console script (and ``python -m rpa.cli``): :func:`main`, then :func:`exit_now`.
+    An exception :func:`main` does not handle (a bug) takes Python's normal exit, traceback
+    and all."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

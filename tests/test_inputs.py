@@ -102,3 +102,44 @@ def test_every_prompt_too_long(tiny_dirs, tmp_path):
     one_line_refusal(rpa("train", "--config", cfg, "--out", tmp_path / "run"),
                      "every prompt of the task is longer than 2 tokens")
     assert not (tmp_path / "run" / "config.json").exists()  # nothing of a run was written
+
+
+EXIT_SCRIPT = """
+import atexit, pathlib, sys, threading, time
+from rpa.cli import exit_now
+out = pathlib.Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()
+class Teardown:
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+keep = Teardown()  # collected only by the interpreter's teardown, which exit_now skips
+sys.stdout.write("x" * 100000)  # into a pipe: still in the buffer when exit_now is called
+exit_now(3)
+"""
+
+
+def test_the_cli_exit_skips_only_the_interpreters_teardown(tmp_path):
+    """``rpa`` ends with :func:`rpa.cli.exit_now`: main's code, threads joined, ``atexit`` run, the
+    buffered stdout complete -- and no module teardown (a normal exit would run ``__del__``)."""
+    proc = run_py(["-c", EXIT_SCRIPT, str(tmp_path)], timeout=60)
+    assert proc.returncode == 3, tail(proc)
+    assert proc.stdout == "x" * 100000
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert not (tmp_path / "teardown").exists()
+
+
+def test_the_cli_entry_points_end_through_exit_now():
+    """The console script and ``python -m rpa.cli`` both run :func:`rpa.cli.run`."""
+    import tomllib
+
+    from tests.conftest import REPO
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["rpa"] == "rpa.cli:run"
+    proc = rpa("probe", "--regions", "all")  # no --model: refused by main with 2, through run()
+    assert proc.returncode == 2, tail(proc)
