@@ -4,7 +4,7 @@ import re
 
 from rpa.workflow.pipeline import (diagnose_job, dose_init_config, dose_points, model_location, parity_job,
                                    probe_job, search_points, study_arm_names, study_groups, study_init_config,
-                                   study_points, study_resources, tiny_flags, train_points)
+                                   study_points, study_priorities, study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -22,6 +22,8 @@ TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] f
 DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose") else {}
 STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
 STUDY_GROUPS = study_groups(config) if config.get("study") else {}  # group -> its cells, one process each
+# the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
+STUDY_PRIORITY = study_priorities(config) if config.get("study") else {}
 SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
 
 

@@ -9,6 +9,7 @@ rule tiny_model:
         out=lambda wc: f"{R}/models/{wc.model}",
     log:
         f"{R}/logs/models/{{model}}.log",
+    priority: lambda wc: STUDY_PRIORITY.get(wc.model, 0)  # a study model: before the work it unlocks
     conda:
         ENV
     resources:

@@ -1,7 +1,8 @@
 # Stage: the study (`study`): models x arms x seeds of GRPO, each cell one run directory
-# `study/<model>/<arm>/seed<N>`; the seeds of one model and arm run in jobs of
-# `study.runs_per_process` runs (one process each, `study/<group>.json` its record), resources
-# scaled by model size; tables and figures across sizes.
+# `study/<model>/<arm>/seed<N>`; a job runs `study.runs_per_process` seeds of up to
+# `study.arms_per_process` arms that share a sampler side (one process each, `study/<group>.json`
+# its record), resources scaled by model size, the longest first (`STUDY_PRIORITY`); tables and
+# figures across sizes.
 
 STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT, STUDY_GROUPS: common.smk
 
@@ -63,6 +64,7 @@ rule study_init:
         text=lambda wc: yaml_text(study_init_config(config, wc.model)),
     log:
         f"{R}/logs/study/{{model}}/init.log",
+    priority: lambda wc: STUDY_PRIORITY.get(wc.model, 0)
     conda:
         ENV
     resources:
@@ -102,6 +104,7 @@ rule study_train:
         dirs=lambda wc: " ".join(_group_dirs(wc)),
     log:
         f"{R}/logs/study/{{group}}.log",
+    priority: lambda wc: STUDY_PRIORITY[wc.group]
     conda:
         ENV
     resources:

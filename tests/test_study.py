@@ -58,25 +58,61 @@ def test_gpu_study_sizes_and_resources():
     assert large["gpu"] > 1 and large["launch"] == "fsdp2" and large["mem_mb"] > small["mem_mb"]
 
 
-def test_the_miniature_runs_the_seeds_of_an_arm_in_one_process_and_every_cell_once(tmp_path):
+def _with(config, **study):
+    return {**config, "study": {**config["study"], **study}}
+
+
+def test_the_miniature_runs_arms_of_one_sampler_side_in_one_process_and_every_cell_once(tmp_path):
+    from rpa.train.config import TrainConfig
+
     groups = study_groups(STUDY_CPU)
+    points = {p["cell"]: p for p in study_points(STUDY_CPU)}
     cells = [c for group in groups.values() for c in group]
-    assert sorted(cells) == sorted(p["cell"] for p in study_points(STUDY_CPU))
-    seeds = STUDY_CPU["study"]["seeds"]
-    assert all(len(g) == len(seeds) == STUDY_CPU["study"]["runs_per_process"] for g in groups.values())
-    assert groups["mini-xs/none/seed0+1+2"] == ["mini-xs/none/seed0", "mini-xs/none/seed1", "mini-xs/none/seed2"]
-    two = study_groups({**STUDY_CPU, "study": {**STUDY_CPU["study"], "runs_per_process": 2}})
-    assert two["mini-l/fp16/seed0+1"] == ["mini-l/fp16/seed0", "mini-l/fp16/seed1"] and "mini-l/fp16/seed2" in two
+    assert sorted(cells) == sorted(points)
+    seeds, arms_per = STUDY_CPU["study"]["seeds"], STUDY_CPU["study"]["arms_per_process"]
+    for name, group in groups.items():  # one model, one sampler side, at most arms_per arms of all the seeds
+        sides = {TrainConfig.from_dict(points[c]["config"]).numerics.sampler_process_key for c in group}
+        arms = list(dict.fromkeys(points[c]["arm"] for c in group))
+        assert len(sides) == 1 and len({points[c]["model"] for c in group}) == 1, name
+        assert len(group) == len(arms) * len(seeds) and len(arms) <= arms_per, name
+        assert name == f"{points[group[0]]['model']}/{'+'.join(arms)}/seed0+1+2"
+    assert groups["mini-xs/none+positions-stock+fp16+lm-head-fp32/seed0+1+2"][:4] == [
+        "mini-xs/none/seed0", "mini-xs/none/seed1", "mini-xs/none/seed2", "mini-xs/positions-stock/seed0"]
+    assert groups["mini-xs/all+all-sampler-only/seed0+1+2"][3] == "mini-xs/all-sampler-only/seed0"
+    assert groups["mini-xs/rope/seed0+1+2"] == ["mini-xs/rope/seed0", "mini-xs/rope/seed1", "mini-xs/rope/seed2"]
+    one = study_groups(_with(STUDY_CPU, arms_per_process=1, runs_per_process=2))  # the seeds of one arm
+    assert one["mini-l/fp16/seed0+1"] == ["mini-l/fp16/seed0", "mini-l/fp16/seed1"] and "mini-l/fp16/seed2" in one
     assert study_resources(STUDY_CPU, "mini-l", 3)["runtime"] == 3 * study_resources(STUDY_CPU, "mini-l")["runtime"]
     proc = snakemake("study", "-n", "--printshellcmds", "--configfile", "experiments/study-cpu.yaml",
                      "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
     assert len(_jobs(out, "study_train")) == len(groups)
-    r = tmp_path / "r" / "study" / "mini-xs" / "none"
-    assert (f"rpa train --config {r}/seed0/run.yaml --out {r}/seed0 --config {r}/seed1/run.yaml --out {r}/seed1 "
-            f"--config {r}/seed2/run.yaml --out {r}/seed2 ") in out
-    assert f"python -m rpa.workflow.runs --out {r}/seed0+1+2.json {r}/seed0 {r}/seed1 {r}/seed2" in out
+    r = tmp_path / "r" / "study" / "mini-xs"
+    runs = [f"{r}/{arm}/seed{s}" for arm in ("all", "all-sampler-only") for s in seeds]
+    assert "rpa train " + " ".join(f"--config {d}/run.yaml --out {d}" for d in runs) + " " in out
+    assert f"python -m rpa.workflow.runs --out {r}/all+all-sampler-only/seed0+1+2.json {' '.join(runs)}" in out
+
+
+def test_the_longest_work_is_scheduled_first():
+    """A study job's priority is its minutes of training; a model's warm start (and its tiny-model
+    build) outranks every job of that model it unlocks."""
+    from rpa.workflow.pipeline import study_priorities
+
+    priority, groups = study_priorities(STUDY_CPU), study_groups(STUDY_CPU)
+    for name, cells in groups.items():
+        model = name.split("/")[0]
+        assert priority[name] == study_resources(STUDY_CPU, model, len(cells))["runtime"]
+        assert priority[model] > priority[name]
+    assert priority["mini-l/none+positions-stock+fp16+lm-head-fp32/seed0+1+2"] > priority["mini-xs/rope/seed0+1+2"]
+    assert priority["mini-l"] == sum(p for n, p in priority.items() if n.startswith("mini-l/"))
+
+
+def test_process_groups_whose_names_collide_are_refused():
+    """Arms ``a`` and ``b`` in one process would share a record with an arm named ``a+b``."""
+    config = _with(STUDY_CPU, arms={"a": {}, "b": {}, "a+b": {}}, arms_per_process=2, size_arms={}, reference_arm="a")
+    with pytest.raises(Exception, match=r"two process groups are named 'mini-xs/a\+b/seed0\+1\+2'"):
+        check_config(config)
 
 
 def test_several_runs_per_process_need_a_single_process_launch():

@@ -442,16 +442,17 @@ def _run_numbers(out) -> dict:
 
 @pytest.mark.engine
 def test_runs_sharing_a_process_give_the_numbers_each_gives_alone(tiny_dirs, tmp_path):
-    """``rpa train`` with several runs: the second seed takes over the first one's vLLM engine
-    and computes what it computes alone in its own process -- the same metric log and the same
-    final weights bit for bit; a run whose engine differs (FP32 LM head) gets a new engine."""
+    """``rpa train`` with several runs: the second run -- another seed of another arm (truncated
+    IS, as a study job of several arms runs it) -- takes over the first one's vLLM engine and
+    computes what it computes alone in its own process: the same metric log and the same final
+    weights bit for bit; a run whose engine differs (FP32 LM head) gets a new engine."""
     import torch
 
     base = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "checkpoint_every": 2, "eval_every": 2,
             "warm_start": {"steps": 0}, "gradient_checkpointing": False, "vllm_enforce_eager": True,
             "task": {**BASE["task"], "eval_prompts": 4}}
     configs = {}
-    for name, extra in {"seed0": {"seed": 0}, "seed1": {"seed": 1},
+    for name, extra in {"seed0": {"seed": 0}, "seed1": {"seed": 1, "is_correction": "token_truncate"},
                         "head": {"seed": 1, "numerics": {"regions": "all", "lm_head_fp32": True}}}.items():
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump({**base, **extra}))

@@ -169,6 +169,12 @@ class NumericsConfig:
         return self.regions if self.aligned_sides in ("both", "sampler") else frozenset()
 
     @property
+    def sampler_process_key(self) -> tuple[frozenset[str], int | None]:
+        """What the vLLM plugin fixes for the life of a process (:mod:`rpa.sides.vllm_plugin`): the
+        sampler's region set and perturbation. Configurations with equal keys may share a process."""
+        return self.sampler_regions, self.mantissa_bits
+
+    @property
     def positions_from_mask(self) -> bool:
         if self.trainer_positions == "auto":
             return "rope" in self.trainer_regions

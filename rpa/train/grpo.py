@@ -379,7 +379,7 @@ def engine_problems(cfgs: list[TrainConfig]) -> list[str]:
                 f"{c.numerics.mantissa_bits} differ from run 1's {sorted(first.sampler_regions)} / "
                 f"{first.mantissa_bits} (fixed per process)"
                 for i, c in enumerate(cfgs[1:], 1)
-                if (c.numerics.sampler_regions, c.numerics.mantissa_bits) != (first.sampler_regions, first.mantissa_bits)]
+                if c.numerics.sampler_process_key != first.sampler_process_key]
     if len(cfgs) > 1 and world_size() > 1:
         problems.append(f"{len(cfgs)} runs under a {world_size()}-process launch: one run per launch")
     return problems

@@ -301,21 +301,50 @@ def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def study_groups(config: dict[str, Any]) -> dict[str, list[str]]:
-    """The study's cells by process: the seeds of one model and arm, in the config's order, in
-    groups of ``study.runs_per_process`` (one ``rpa train`` each, sharing the imports and the
-    vLLM engine). A group is named after its first cell with the other seeds appended
-    (``<model>/<arm>/seed0+1+2``; a group of one is its cell's name)."""
-    size = int(config["study"].get("runs_per_process", 1))
+    """The study's cells by process, one ``rpa train`` each (sharing the imports and, where the
+    engine would be the same, the vLLM engine): per model, up to ``study.arms_per_process`` arms
+    whose sampler side is the same (the plugin's region set and perturbation are fixed per process:
+    :attr:`~rpa.core.numerics_config.NumericsConfig.sampler_process_key`), in the config's order,
+    times the seeds in chunks of ``study.runs_per_process``; a group's runs arm by arm. Named
+    ``<model>/<arm>[+<arm>...]/seed<N>[+<N>...]`` (``mini-xs/none/seed0+1+2``; a group of one is
+    its cell's name)."""
+    from rpa.train.config import TrainConfig
+
+    study = config["study"]
+    seeds_per, arms_per = int(study.get("runs_per_process", 1)), int(study.get("arms_per_process", 1))
     by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for p in study_points(config):
         by_arm.setdefault((p["model"], p["arm"]), []).append(p)
-    groups = {}
-    for (model, arm), points in by_arm.items():
-        for i in range(0, len(points), size):
-            chunk = points[i:i + size]
-            name = f"{model}/{arm}/seed" + "+".join(str(p["seed"]) for p in chunk)
-            groups[name] = [p["cell"] for p in chunk]
+    by_side: dict[tuple[str, Any], list[list[dict[str, Any]]]] = {}  # a model's arms by sampler side
+    for (model, _), points in by_arm.items():
+        side = TrainConfig.from_dict(points[0]["config"]).numerics.sampler_process_key
+        by_side.setdefault((model, side), []).append(points)
+    groups: dict[str, list[str]] = {}
+    for (model, _), arms in by_side.items():
+        for a in range(0, len(arms), arms_per):
+            together = arms[a:a + arms_per]
+            for i in range(0, len(together[0]), seeds_per):
+                chunks = [points[i:i + seeds_per] for points in together]
+                name = (f"{model}/" + "+".join(c[0]["arm"] for c in chunks) + "/seed"
+                        + "+".join(str(p["seed"]) for p in chunks[0]))
+                if name in groups:
+                    raise ValueError(f"study: two process groups are named {name!r} (an arm named like "
+                                     f"arms joined by '+')")
+                groups[name] = [p["cell"] for c in chunks for p in c]
     return groups
+
+
+def study_priorities(config: dict[str, Any]) -> dict[str, int]:
+    """Snakemake's order among ready jobs: a study job's priority is the minutes of training it
+    runs (its ``runtime`` resource), a model's warm start and tiny-model build have those of all
+    the model's jobs (what they unlock). The longest work then starts first and the short jobs
+    (probes, parity, tables; priority 0) fill in at the end, so the wall time on a few cores
+    comes close to the total work divided by the cores. Keys: group names and model names."""
+    groups = study_groups(config)
+    own = {name: study_resources(config, name.split("/")[0], len(cells))["runtime"] for name, cells in groups.items()}
+    unlocks = {model: sum(m for name, m in own.items() if name.split("/")[0] == model)
+               for model in config["study"]["models"]}
+    return {**own, **unlocks}
 
 
 def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
@@ -365,10 +394,11 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                  if m not in study["models"]]
     problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
                  (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
-    if int(study.get("runs_per_process", 1)) > 1:
-        problems += [f"study.runs_per_process: {study['runs_per_process']}, but {m!r} launches with "
-                     f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
-                     for m in study["models"] if study_resources(config, m)["launch"] != "single"]
+    for knob in ("runs_per_process", "arms_per_process"):
+        if int(study.get(knob, 1)) > 1:
+            problems += [f"study.{knob}: {study[knob]}, but {m!r} launches with "
+                         f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
+                         for m in study["models"] if study_resources(config, m)["launch"] != "single"]
     if problems:
         return problems
     try:
@@ -379,7 +409,13 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                 TrainConfig.from_dict(init)
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"study: {err}"]
-    problems += _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+    invalid = _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+    problems += invalid
+    if not invalid:  # the groups read every run's numerics
+        try:
+            study_groups(config)
+        except ValueError as err:
+            problems.append(str(err))
     # the probe measures the engine training samples from: eager and compiled vLLM round differently
     probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
     for model in study["models"]:
