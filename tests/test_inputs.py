@@ -113,6 +113,9 @@ def late():
     time.sleep(0.5)
     (out / "thread").write_text("joined")
 threading.Thread(target=late).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # an idle worker: a normal exit stops it, so must exit_now
+pool.submit(lambda: (out / "pool").write_text("ran")).result()
 class Teardown:
     def __del__(self):
         (out / "teardown").write_text("ran")
@@ -130,6 +133,7 @@ def test_the_cli_exit_skips_only_the_interpreters_teardown(tmp_path):
     assert proc.stdout == "x" * 100000
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "pool").read_text() == "ran"
     assert not (tmp_path / "teardown").exists()
 
 
