@@ -85,6 +85,9 @@ rule study_config:
         f"{R}/study/{{cell}}/run.yaml",
     params:
         text=lambda wc: yaml_text(STUDY[wc.cell]["config"]),
+    # a file written in milliseconds that a job waits for: before the jobs, or a job of many runs
+    # would wait for its configs to be written a slot's turn at a time
+    priority: lambda wc: STUDY_PRIORITY[STUDY[wc.cell]["model"]]
     shell:
         WRITE_TEXT
 

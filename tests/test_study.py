@@ -94,9 +94,10 @@ def test_the_miniature_runs_arms_of_one_sampler_side_in_one_process_and_every_ce
     assert f"python -m rpa.workflow.runs --out {r}/all+all-sampler-only/seed0+1+2.json {' '.join(runs)}" in out
 
 
-def test_the_longest_work_is_scheduled_first():
-    """A study job's priority is its minutes of training; a model's warm start (and its tiny-model
-    build) outranks every job of that model it unlocks."""
+def test_the_longest_work_is_scheduled_first(tmp_path):
+    """A study job's priority is its minutes of training; a model's warm start, its tiny-model
+    build and its run configs (what a job waits for) outrank every job of that model they unlock;
+    as Snakemake reads them (its dry run prints each job's priority)."""
     from rpa.workflow.pipeline import study_priorities
 
     priority, groups = study_priorities(STUDY_CPU), study_groups(STUDY_CPU)
@@ -106,6 +107,17 @@ def test_the_longest_work_is_scheduled_first():
         assert priority[model] > priority[name]
     assert priority["mini-l/none+positions-stock+fp16+lm-head-fp32/seed0+1+2"] > priority["mini-xs/rope/seed0+1+2"]
     assert priority["mini-l"] == sum(p for n, p in priority.items() if n.startswith("mini-l/"))
+    proc = snakemake("study", "-n", "--configfile", "experiments/study-cpu.yaml", "--config", f"results={tmp_path}")
+    assert proc.returncode == 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    trains = _jobs(out, "study_train")
+    assert len(trains) == len(groups) and all(int(j["priority"]) == priority[j["wildcards"].removeprefix("group=")]
+                                              for j in trains)
+    for rule, key in (("study_init", "model="), ("tiny_model", "model="), ("study_config", "cell=")):
+        jobs = _jobs(out, rule)
+        assert jobs and all(int(j["priority"]) == priority[j["wildcards"].removeprefix(key).split("/")[0]]
+                            for j in jobs), rule
+    assert all(int(j.get("priority", 0)) == 0 for j in _jobs(out, "probe") + _jobs(out, "parity"))
 
 
 def test_process_groups_whose_names_collide_are_refused():
@@ -140,14 +152,14 @@ def test_a_job_record_needs_every_run_summary(tmp_path):
 
 
 def _jobs(dry_run_output: str, rule: str) -> list[dict[str, str]]:
-    """(wildcards, resources) of each job of ``rule`` in a dry run's log."""
+    """(wildcards, resources, priority) of each job of ``rule`` in a dry run's log."""
     jobs, current = [], None
     for line in dry_run_output.splitlines():
         line = line.strip()
         if line.startswith("rule ") or line.startswith("localrule "):
             current = {"rule": line.split()[1].rstrip(":")}
             jobs.append(current)
-        elif current is not None and line.startswith(("wildcards:", "resources:")):
+        elif current is not None and line.startswith(("wildcards:", "resources:", "priority:")):
             key, _, value = line.partition(": ")
             current[key] = value
     return [j for j in jobs if j["rule"] == rule]
