@@ -23,7 +23,7 @@ DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose
 STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
 STUDY_GROUPS = study_groups(config) if config.get("study") else {}  # group -> its cells, one process each
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
-STUDY_PRIORITY = study_priorities(config) if config.get("study") else {}
+STUDY_PRIORITY = study_priorities(config, STUDY_GROUPS) if config.get("study") else {}
 SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
 
 

@@ -100,7 +100,8 @@ def test_the_longest_work_is_scheduled_first(tmp_path):
     as Snakemake reads them (its dry run prints each job's priority)."""
     from rpa.workflow.pipeline import study_priorities
 
-    priority, groups = study_priorities(STUDY_CPU), study_groups(STUDY_CPU)
+    groups = study_groups(STUDY_CPU)
+    priority = study_priorities(STUDY_CPU, groups)
     for name, cells in groups.items():
         model = name.split("/")[0]
         assert priority[name] == study_resources(STUDY_CPU, model, len(cells))["runtime"]

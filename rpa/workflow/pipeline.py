@@ -334,13 +334,13 @@ def study_groups(config: dict[str, Any]) -> dict[str, list[str]]:
     return groups
 
 
-def study_priorities(config: dict[str, Any]) -> dict[str, int]:
-    """Snakemake's order among ready jobs: a study job's priority is the minutes of training it
-    runs (its ``runtime`` resource), a model's warm start and tiny-model build have those of all
-    the model's jobs (what they unlock). The longest work then starts first and the short jobs
-    (probes, parity, tables; priority 0) fill in at the end, so the wall time on a few cores
-    comes close to the total work divided by the cores. Keys: group names and model names."""
-    groups = study_groups(config)
+def study_priorities(config: dict[str, Any], groups: dict[str, list[str]]) -> dict[str, int]:
+    """Snakemake's order among ready jobs: a study job's priority (a group of :func:`study_groups`)
+    is the minutes of training it runs (its ``runtime`` resource), a model's warm start and
+    tiny-model build have those of all the model's jobs (what they unlock). The longest work then
+    starts first and the short jobs (probes, parity, tables; priority 0) fill in at the end, so the
+    wall time on a few cores comes close to the total work divided by the cores. Keys: group names
+    and model names."""
     own = {name: study_resources(config, name.split("/")[0], len(cells))["runtime"] for name, cells in groups.items()}
     unlocks = {model: sum(m for name, m in own.items() if name.split("/")[0] == model)
                for model in config["study"]["models"]}
