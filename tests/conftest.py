@@ -40,9 +40,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random Qwen2 and Qwen3 checkpoints (local tokenizer, no hub)."""
+    """Tiny random Qwen2, Qwen3 and Llama checkpoints (local tokenizer, no hub)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny(root / arch, TinySpec(arch=arch)) for arch in ("qwen2", "qwen3")}
+    return {arch: build_tiny(root / arch, TinySpec(arch=arch)) for arch in ("qwen2", "qwen3", "llama")}
 
 
 def run_py(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:

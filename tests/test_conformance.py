@@ -1,5 +1,5 @@
 """Conformance: a representative slice of a stock model's behaviour, with and without the
-patch, on tiny Qwen2 and Qwen3 models.
+patch, on tiny Qwen2, Qwen3 and Llama models.
 
 Each check compares a model with itself along one path a training or serving script takes
 (cache on/off, a padded batch, gradient checkpointing, a save/load round trip, a deep copy,
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.engine
 VARIANTS = {"stock": None,
             "aligned-bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),
             "aligned-compute-none": dict(dtype=torch.bfloat16, compute_dtype=None)}
+ARCHS = ("qwen2", "qwen3", "llama")
 METHOD_CHECKS = {"left_padding", "compile_fullgraph"}  # what alignment itself promises
 _RESULTS: dict[tuple[str, str], dict[str, bool]] = {}
 
@@ -107,7 +108,7 @@ def run_checks(path, variant, tmp_path) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_conformance(tiny_dirs, tmp_path, arch, variant):
     _RESULTS[(arch, variant)] = res = run_checks(tiny_dirs[arch], variant, tmp_path)
     if variant == "stock":  # the baseline the aligned variants are held to: stock passes all but the method's own
@@ -127,7 +128,7 @@ def test_conformance_table(tiny_dirs, tmp_path, capsys):
     """Every variant ran the same checks and the aligned ones pass the method's own; prints the
     check table (``pytest -s``). A variant the tests above did not run in this process (``-k``,
     or another parallel worker) is run here."""
-    for arch in ("qwen2", "qwen3"):
+    for arch in ARCHS:
         for variant in VARIANTS:
             if (arch, variant) not in _RESULTS:
                 _RESULTS[(arch, variant)] = run_checks(tiny_dirs[arch], variant, tmp_path / f"{arch}-{variant}")

@@ -135,21 +135,21 @@ def test_position_past_the_table_is_refused(tiny_dirs):
         model(torch.tensor([[5]]), position_ids=too_far)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("cls_name", ["Model", "ForSequenceClassification", "ForTokenClassification",
                                       "ForQuestionAnswering"])
-def test_every_qwen_class_aligns(tiny_dirs, arch, cls_name):
+def test_every_supported_class_aligns(tiny_dirs, arch, cls_name):
     """Base models and the classification / QA heads have no LM head (get_output_embeddings() is
     None): they align too, and with ``all`` FP32 masters in BF16 compute give their BF16 copy's
     outputs bit for bit."""
     import transformers
     from transformers import AutoConfig
 
-    from rpa.sides.trainer import UnsupportedModelError, align_model
+    from rpa.sides.trainer import ARCHITECTURES, UnsupportedModelError, align_model
 
     config = AutoConfig.from_pretrained(tiny_dirs[arch])
     config.num_labels, config.pad_token_id = 3, 0
-    cls = getattr(transformers, f"{'Qwen2' if arch == 'qwen2' else 'Qwen3'}{cls_name}")
+    cls = getattr(transformers, f"{ARCHITECTURES[arch].prefix}{cls_name}")
     torch.manual_seed(0)
     master = cls(config).float().eval()
     copy = cls(config).to(torch.bfloat16).eval()

@@ -7,12 +7,12 @@ from tests.conftest import run_py, tail
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig
+def mistral_dir(tmp_path_factory):
+    from transformers import MistralConfig
 
-    path = tmp_path_factory.mktemp("llama")
-    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2).save_pretrained(path)
+    path = tmp_path_factory.mktemp("mistral")
+    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2).save_pretrained(path)
     return path
 
 
@@ -38,9 +38,9 @@ def test_directory_that_is_not_a_checkpoint(tmp_path):
                      "directory without config.json")
 
 
-def test_unsupported_architecture_is_refused_before_vllm_starts(llama_dir, tmp_path):
-    proc = rpa("parity", "--model", llama_dir, "--regions", "all", "--out", tmp_path / "p.json")
-    one_line_refusal(proc, "model_type='llama'")
+def test_unsupported_architecture_is_refused_before_vllm_starts(mistral_dir, tmp_path):
+    proc = rpa("parity", "--model", mistral_dir, "--regions", "all", "--out", tmp_path / "p.json")
+    one_line_refusal(proc, "model_type='mistral'")
     assert "vllm" not in proc.stderr.lower().replace("rpa parity", "")  # no engine log lines
 
 

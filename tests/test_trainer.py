@@ -1,8 +1,8 @@
-"""Trainer-side alignment on real HF Qwen2/Qwen3 models loaded from local directories."""
+"""Trainer-side alignment on real HF Qwen2/Qwen3/Llama models loaded from local directories."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from rpa.sides.trainer import UnsupportedModelError, align_model, positions_from_mask
 
@@ -13,7 +13,7 @@ def load(path, dtype=torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-@pytest.fixture(params=["qwen2", "qwen3"])
+@pytest.fixture(params=["qwen2", "qwen3", "llama"])
 def arch(request):
     return request.param
 
@@ -147,10 +147,18 @@ def test_aligned_gradients_are_no_further_from_fp32_than_stock_bf16s(tiny_dirs, 
 
 
 def test_unsupported_architecture_is_refused():
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
-    with pytest.raises(UnsupportedModelError, match="Qwen2/Qwen3.*llama.*Supported: qwen2"):
-        align_model(LlamaForCausalLM(config), "all")
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(UnsupportedModelError, match="Qwen2/Qwen3/Llama.*mistral.*Supported: qwen2.*llama"):
+        align_model(MistralForCausalLM(config), "all")
+
+
+def test_a_sliced_llama_projection_is_refused(tiny_dirs):
+    """HF's Llama with pretraining_tp > 1 computes every projection as slices (other GEMMs than vLLM's)."""
+    model = load(tiny_dirs["llama"])
+    model.config.pretraining_tp = 2
+    with pytest.raises(UnsupportedModelError, match="pretraining_tp 2"):
+        align_model(model, "all")
 
 
 def test_unsupported_rope_scaling_is_refused(tiny_dirs):
@@ -188,3 +196,34 @@ def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
         layer = plugin_cls(head_size=32, rotary_dim=32, max_position_embeddings=model.config.max_position_embeddings,
                            base=model.config.rope_parameters["rope_theta"], is_neox_style=True, dtype=torch.bfloat16)
     assert torch.equal(layer.rpa_cos_sin, trainer)
+
+
+def test_fp32_attention_rounds_once_and_leaves_with_the_patch(tiny_dirs, arch):
+    """``trainer_attention: fp32``: HF's sdpa on the BF16 q/k/v upcast, rounded once (what vLLM's CPU
+    attention kernel computes); FP32 masters still give their BF16 copy's logits bit for bit, gradients
+    flow, and removing the alignment restores the stock attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rpa.sides.trainer import fp32_attention
+
+    model = load(tiny_dirs[arch])
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 9, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    kv = lambda t: t[:, : model.config.num_key_value_heads]  # noqa: E731
+    out, _ = fp32_attention(attn, q, kv(k), kv(v), None, scaling=attn.scaling)
+    want, _ = sdpa_attention_forward(attn, q.float(), kv(k).float(), kv(v).float(), None, scaling=attn.scaling)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+    stock, _ = sdpa_attention_forward(attn, q, kv(k), kv(v), None, scaling=attn.scaling)
+    assert not torch.equal(out, stock)  # BF16 sdpa rounds its intermediates: another function
+    m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
+    ids = torch.randint(3, 500, (2, 13), generator=g)
+    before = m16.config._attn_implementation
+    with align_model(m32, "all", attention_fp32=True) as a32, align_model(m16, "all", attention_fp32=True):
+        assert a32.describe()["attention"] == "fp32"
+        with torch.no_grad():
+            assert torch.equal(m32(ids).logits, m16(ids).logits.float())
+        m32.train()
+        m32(ids).logits.float().sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m32.parameters() if p.requires_grad)
+    assert m16.config._attn_implementation == before

@@ -102,9 +102,8 @@ def replay(captured: list[dict[str, Any]], hf_model: torch.nn.Module) -> dict[st
     from rpa.core import ops
     from rpa.sides.trainer import aligned_apply_rotary_pos_emb, check_supported
 
-    modeling = check_supported(hf_model)
-    prefix = "Qwen2" if hf_model.config.model_type == "qwen2" else "Qwen3"
-    norms = [m for m in hf_model.modules() if isinstance(m, getattr(modeling, f"{prefix}RMSNorm"))]
+    norm_cls = check_supported(hf_model).cls("RMSNorm")
+    norms = [m for m in hf_model.modules() if isinstance(m, norm_cls)]
     rotary = hf_model.model.rotary_emb
     head_dim = getattr(hf_model.config, "head_dim", None) or hf_model.config.hidden_size // hf_model.config.num_attention_heads
     device = next(hf_model.parameters()).device
@@ -175,8 +174,9 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
     region set; ``options``: :class:`ParityOptions` (default: eager, in-process, BF16 trainer
     weights). The replay check needs the aligned ops' Python bodies to run, so its engine
     never replays CUDA graphs (eager, or compiled with CUDA graphs off). With ``compiled``,
-    the compiled engine is checked as a whole instead: its prompt logprobs must equal an
-    eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine).
+    the compiled engine is also checked as a whole: with every region aligned its prompt logprobs
+    must equal an eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine); with
+    a partial set the gap is reported, not gated (the stock regions are fused differently).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -223,8 +223,15 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
         if cuda:
             graphs = _engine_logprobs(model_dir, numerics, batch, enforce_eager=False, multiprocess=multiprocess)
             check["compiled_cuda_graphs"] = _logprob_gap(graphs, eager)
+        whole = regions == frozenset(REGIONS)
         for gap in check.values():
             gap["bitwise_equal"] = gap["frac_bitwise_equal"] == 1.0
+            gap["gated"] = whole
+            if not whole:
+                gap["note"] = (f"not gated: with only {format_regions(regions)} aligned, the stock regions run vLLM's "
+                               f"own ops, which Inductor fuses (and rounds) differently from the eager engine; only "
+                               f"'all' makes the compiled engine equal the eager one. The aligned regions are checked "
+                               f"inside the compiled graph by the replay above.")
         report["compiled_vs_eager"] = check
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype)).to(device)
@@ -233,7 +240,7 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
         hf_logprobs = [trainer_logprobs(hf, ids[:1], ids[1:]) for ids in batch]
     report["logprobs"] = _logprob_gap(hf_logprobs, vllm_logprobs)
     report["passed"] = all(v["bitwise_equal"] for v in report["regions_report"].values()) and all(
-        gap["bitwise_equal"] for gap in report.get("compiled_vs_eager", {}).values())
+        gap["bitwise_equal"] for gap in report.get("compiled_vs_eager", {}).values() if gap["gated"])
     _write(report, out_path)
     return report
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight Qwen2/Qwen3 models with a locally trained tokenizer.
+"""Tiny random-weight Qwen2/Qwen3/Llama models with a locally trained tokenizer.
 
 No model hub is needed: the tokenizer is a byte-level BPE trained on a synthetic corpus
 generated here, and the model is built from a config with random weights. The directory
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rpa.core.errors import InputError
 
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("qwen2", "qwen3", "llama")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -118,7 +118,7 @@ def build_tokenizer(vocab_size: int, seed: int):
 
 
 def build_config(spec: TinySpec, tokenizer):
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -137,6 +137,8 @@ def build_config(spec: TinySpec, tokenizer):
     )
     if spec.arch == "qwen2":
         config = Qwen2Config(**common)
+    elif spec.arch == "llama":  # SmolLM2's layout: no biases, full-head NeoX RoPE
+        config = LlamaConfig(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False, **common)
     else:
         config = Qwen3Config(head_dim=spec.head_dim, **common)
     config.dtype = "bfloat16"
@@ -144,7 +146,7 @@ def build_config(spec: TinySpec, tokenizer):
 
 
 def build_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a tiny random Qwen model, its tokenizer and ``rpa_tiny.json`` to ``out_dir``."""
+    """Write a tiny random model (Qwen2, Qwen3 or Llama), its tokenizer and ``rpa_tiny.json`` to ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Trainer side: align a Hugging Face Qwen2/Qwen3 causal LM for a region set.
+"""Trainer side: align a Hugging Face Qwen2/Qwen3/Llama causal LM for a region set.
 
 :func:`align_model` gives the model's own module instances (RMSNorm, MLP, rotary
 embedding, and in BF16-compute mode every Linear and Embedding) a replacement forward
@@ -51,11 +51,33 @@ from rpa.core import numerics, ops
 from rpa.core.errors import UserError
 from rpa.core.regions import format_regions, parse_regions
 
-SUPPORTED_ARCHS: dict[str, str] = {
-    "qwen2": "transformers.models.qwen2.modeling_qwen2",
-    "qwen3": "transformers.models.qwen3.modeling_qwen3",
-}
-"""``config.model_type`` -> modeling module. Qwen2.5 checkpoints use ``qwen2``."""
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face model family the patch aligns: its modeling module and the prefix of its
+    class names (``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>Model``). The three families
+    share one decoder layout -- pre-norm residual blocks, ``q/k/v/o_proj``, a gated-SiLU MLP of
+    ``gate/up/down_proj``, a ``rotary_emb`` on the decoder and a module-level
+    ``apply_rotary_pos_emb`` -- so one patch covers them."""
+
+    model_type: str
+    module: str
+    prefix: str
+
+    def modeling(self) -> types.ModuleType:
+        return importlib.import_module(self.module)
+
+    def cls(self, name: str) -> type:
+        """The family's ``<prefix><name>`` class (``RMSNorm``, ``MLP``, ``Model``)."""
+        return getattr(self.modeling(), f"{self.prefix}{name}")
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2"),  # Qwen2 and Qwen2.5
+    Architecture("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    Architecture("llama", "transformers.models.llama.modeling_llama", "Llama"),  # Llama 2/3, SmolLM2
+)}
+"""``config.model_type`` -> :class:`Architecture`: every family the trainer patch and the vLLM
+plugin align (anything else is refused from its ``config.json``, before weights load)."""
 
 SUPPORTED_ROPE_TYPES = ("default",)
 
@@ -129,15 +151,15 @@ def _rope_dispatch(stock: Callable) -> Callable:
 
 
 def _install_rope_dispatch() -> None:
-    """Route the Qwen modeling modules' ``apply_rotary_pos_emb`` through :func:`_rope_dispatch`.
+    """Route the supported modeling modules' ``apply_rotary_pos_emb`` through :func:`_rope_dispatch`.
 
     Installed on the first aligned model and left installed: it is transparent for stock
     models (their cos/sin are full-width), it holds no per-model state (deep copies and
     pickles of a model need nothing from it) and, decided by shapes alone, it traces under
     ``torch.compile(fullgraph=True)`` and ``torch.export``.
     """
-    for path in SUPPORTED_ARCHS.values():
-        mod = importlib.import_module(path)
+    for arch in ARCHITECTURES.values():
+        mod = arch.modeling()
         if not hasattr(mod.apply_rotary_pos_emb, "rpa_stock"):
             mod.apply_rotary_pos_emb = _rope_dispatch(mod.apply_rotary_pos_emb)
 
@@ -206,6 +228,32 @@ def _embedding_forward_cast(self, input_ids: Tensor) -> Tensor:
                        self.scale_grad_by_freq, self.sparse)
 
 
+FP32_ATTENTION = "rpa_fp32_sdpa"
+"""The name :func:`fp32_attention` is registered under in transformers' ``AttentionInterface``."""
+
+
+def fp32_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                   **kwargs):
+    """HF's sdpa attention on the compute-dtype q, k, v upcast to FP32, its output rounded once --
+    the numerics of vLLM's CPU attention kernel (``trainer_attention: fp32``); outside autocast, which
+    would cast sdpa's inputs back down."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()  # an additive mask at the compute dtype's minimum
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                              **kwargs)
+    return out.to(query.dtype), weights  # the one rounding: FP32 attention -> compute dtype
+
+
+def _register_fp32_attention() -> None:
+    """Make :func:`fp32_attention` known to transformers (once, on first use: no import-time registration)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FP32_ATTENTION, fp32_attention)
+
+
 def _positions_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     """Inner-model pre-hook: without ``position_ids``, take them from a 2-D attention mask."""
     if args:  # positional call: bind to the stock signature
@@ -239,6 +287,8 @@ class TrainerAlignment:
     compute_dtype: torch.dtype | None
     lm_head_fp32: bool = False
     positions_from_mask: bool = False
+    stock_attention: str | None = None
+    """The model's attention implementation before ``attention_fp32`` replaced it (None: not replaced)."""
     patched: list[nn.Module] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
     active: bool = True
@@ -252,6 +302,7 @@ class TrainerAlignment:
             "cast_fp32_master_params": self.compute_dtype is not None and param_dtype != self.compute_dtype,
             "lm_head_fp32": self.lm_head_fp32,
             "positions": "mask" if self.positions_from_mask else "stock",
+            "attention": "fp32" if self.stock_attention is not None else "stock",
             "kernels": ops.kernel_backend(next(self.model.parameters()).device),
             "patched_modules": len(self.patched),
             "active": self.active,
@@ -297,6 +348,9 @@ class TrainerAlignment:
             module._non_persistent_buffers_set.discard(ROPE_TABLE_BUFFER)
         for hook in self.hooks:
             hook.remove()
+        if self.stock_attention is not None:
+            self.model.set_attn_implementation(self.stock_attention)
+            self.stock_attention = None
         self.patched.clear()
         self.hooks.clear()
         self.model.__dict__.pop("_rpa_alignment", None)
@@ -309,14 +363,24 @@ class TrainerAlignment:
         self.remove()
 
 
+def supported_families() -> str:
+    """``qwen2 (Qwen2ForCausalLM), ...``: the families :func:`check_config` accepts, for messages."""
+    return ", ".join(f"{t} ({a.prefix}ForCausalLM)" for t, a in ARCHITECTURES.items())
+
+
+def architecture(config) -> Architecture:
+    """The :class:`Architecture` of a HF config, or :class:`UnsupportedModelError`."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(f"rpa aligns {'/'.join(a.prefix for a in ARCHITECTURES.values())} causal LMs "
+                                    f"only; got model_type={model_type!r}. Supported: {supported_families()}")
+    return ARCHITECTURES[model_type]
+
+
 def check_config(config) -> None:
     """Refuse (:class:`UnsupportedModelError`) a HF config the aligned regions do not cover:
     checked from ``config.json`` alone, before any weights load."""
-    model_type = getattr(config, "model_type", None)
-    supported = ", ".join(f"{t} ({SUPPORTED_ARCHS[t].rsplit('.', 1)[-1]})" for t in SUPPORTED_ARCHS)
-    if model_type not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"rpa aligns Qwen2/Qwen3 causal LMs only; got model_type={model_type!r}. "
-                                    f"Supported: {supported}")
+    arch = architecture(config)
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -324,24 +388,27 @@ def check_config(config) -> None:
                                     f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported: "
-                                    f"the aligned RoPE rotates the whole head, as Qwen2/Qwen3 do")
+                                    f"the aligned RoPE rotates the whole head, as Qwen2/Qwen3/Llama do")
     if config.hidden_act != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not SwiGLU (silu)")
+    if arch.model_type == "llama" and getattr(config, "pretraining_tp", 1) != 1:
+        raise UnsupportedModelError(f"pretraining_tp {config.pretraining_tp}: HF's Llama then splits every "
+                                    f"projection into slices (another GEMM than vLLM's); only 1 is supported")
 
 
-def check_supported(model: nn.Module) -> types.ModuleType:
-    """Return the model's modeling module, or raise :class:`UnsupportedModelError`."""
-    config = getattr(model, "config", None)
-    check_config(config)
-    modeling = importlib.import_module(SUPPORTED_ARCHS[config.model_type])
-    decoder_of(model, modeling)  # raises for a model without exactly one decoder
-    return modeling
+def check_supported(model: nn.Module) -> Architecture:
+    """Return the model's :class:`Architecture`, or raise :class:`UnsupportedModelError`."""
+    arch = architecture(getattr(model, "config", None))
+    check_config(model.config)
+    decoder_of(model, arch)  # raises for a model without exactly one decoder
+    return arch
 
 
-def decoder_of(model: nn.Module, modeling: types.ModuleType) -> nn.Module:
-    """The model's Qwen2Model/Qwen3Model: the model itself (the base class) or its one decoder
-    child (``.model`` of the causal LM and classification heads, ``.transformer`` of QA)."""
-    base = getattr(modeling, "Qwen2Model" if model.config.model_type == "qwen2" else "Qwen3Model")
+def decoder_of(model: nn.Module, arch: Architecture) -> nn.Module:
+    """The model's decoder (``Qwen2Model``, ``LlamaModel``, ...): the model itself (the base class)
+    or its one decoder child (``.model`` of the causal LM and classification heads,
+    ``.transformer`` of QA)."""
+    base = arch.cls("Model")
     if isinstance(model, base):
         return model
     found = [m for m in model.children() if isinstance(m, base)]
@@ -352,7 +419,7 @@ def decoder_of(model: nn.Module, modeling: types.ModuleType) -> nn.Module:
 
 
 def rope_table(config) -> Tensor:
-    """The shared FP32 cos/sin table of a HF Qwen config (built on the CPU, see
+    """The shared FP32 cos/sin table of a supported HF config (built on the CPU, see
     :func:`rpa.core.numerics.rope_table`); the vLLM plugin builds the same from its layer args."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return numerics.rope_table(config.rope_parameters["rope_theta"], head_dim, config.max_position_embeddings)
@@ -360,17 +427,19 @@ def rope_table(config) -> Tensor:
 
 def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
                 compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False,
-                positions_from_mask: bool | None = None) -> TrainerAlignment:
-    """Align ``model`` (a HF Qwen2/Qwen3 causal LM) in ``regions``; see the module doc.
+                positions_from_mask: bool | None = None, attention_fp32: bool = False) -> TrainerAlignment:
+    """Align ``model`` (a HF Qwen2/Qwen3/Llama model, :data:`ARCHITECTURES`) in ``regions``; see the
+    module doc.
 
     ``lm_head_fp32`` runs the LM head in FP32 on FP32 copies of its (compute-dtype)
     weights, outside autocast: the FP32-LM-head comparison point, not part of the regions.
     ``positions_from_mask``: take RoPE positions from the attention mask when none are
     passed (left padding does not shift them); default: when ``rope`` is aligned.
+    ``attention_fp32``: attention through :func:`fp32_attention` (FP32 intermediates, one rounding).
     """
     if isinstance(regions, str):
         regions = parse_regions(regions)
-    modeling = check_supported(model)
+    arch = check_supported(model)
     if getattr(model, "_rpa_alignment", None) is not None:
         raise RuntimeError("model is already aligned; remove() the existing alignment first")
     param_dtypes = {p.dtype for p in model.parameters()}
@@ -380,13 +449,12 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     if positions_from_mask is None:
         positions_from_mask = "rope" in regions
     handle = TrainerAlignment(model, regions, compute_dtype, lm_head_fp32, positions_from_mask)
-    prefix = "Qwen2" if model.config.model_type == "qwen2" else "Qwen3"
-    norm_cls, mlp_cls = getattr(modeling, f"{prefix}RMSNorm"), getattr(modeling, f"{prefix}MLP")
+    norm_cls, mlp_cls = arch.cls("RMSNorm"), arch.cls("MLP")
     cast = compute_dtype is not None  # a no-op for parameters already at the compute dtype
     head = model.get_output_embeddings()  # None for the base model and the classification / QA heads
     if lm_head_fp32 and head is None:
         raise UnsupportedModelError(f"lm_head_fp32: {type(model).__name__} has no LM head")
-    decoder = decoder_of(model, modeling)
+    decoder = decoder_of(model, arch)
 
     try:
         for module in model.modules():
@@ -411,6 +479,11 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
             _install_rope_dispatch()
         if positions_from_mask:
             handle.hooks.append(decoder.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True))
+        if attention_fp32:
+            _register_fp32_attention()
+            stock = model.config._attn_implementation or "sdpa"
+            model.set_attn_implementation(FP32_ATTENTION)
+            handle.stock_attention = stock
         model.__dict__["_rpa_alignment"] = handle
         handle.refresh()
         handle.hooks.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
@@ -429,7 +502,8 @@ def align_for(config, model: nn.Module) -> TrainerAlignment:
     and RoPE positions."""
     autocast = config.trainer_mode == "autocast"
     return align_model(model, config.trainer_regions, compute_dtype=None if autocast else config.torch_dtype(),
-                       lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask)
+                       lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask,
+                       attention_fp32=config.trainer_attention == "fp32")
 
 
 def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, TrainerAlignment]:

@@ -145,7 +145,7 @@ def _make_layers() -> dict[str, type]:
             if self.variance_size_override is not None or not has_weight:
                 raise NotImplementedError(
                     "rpa aligns RMSNorm with a weight over the full hidden size only "
-                    "(Qwen2/Qwen3); this model uses var_hidden_size or has_weight=False"
+                    "(Qwen2/Qwen3/Llama); this model uses var_hidden_size or has_weight=False"
                 )
 
         def forward(self, x: Tensor, residual: Tensor | None = None):
@@ -170,7 +170,7 @@ def _make_layers() -> dict[str, type]:
                      is_neox_style: bool, dtype: torch.dtype, init_cache: bool = True) -> None:
             super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype, init_cache)
             if not is_neox_style:
-                raise NotImplementedError("rpa aligns NeoX-style (Qwen) rotary embeddings only")
+                raise NotImplementedError("rpa aligns NeoX-style (HF Qwen/Llama layout) rotary embeddings only")
             # the shared table: built on the CPU whatever vLLM's default device, then moved
             table = numerics.rope_table(base, rotary_dim, max_position_embeddings)
             self.register_buffer("rpa_cos_sin", table.to(torch.empty(0).device), persistent=False)
