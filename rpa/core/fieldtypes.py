@@ -114,6 +114,8 @@ def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> No
             parser.add_argument(_flag(f.name), type=args[0], nargs=len(args), default=f.default, help=shown,
                                 metavar=f.metadata.get("metavar"))
         else:
+            if typing.get_origin(hint) in (typing.Union, types.UnionType):  # ``X | None``: a flag of type X
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
             parser.add_argument(_flag(f.name), type=hint, default=f.default, help=shown,
                                 choices=f.metadata.get("choices"))
 
