@@ -179,14 +179,16 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
 
     hf, alignment = load_trainer_model(numerics, model)
     hf_runs = []
+    device = next(hf.parameters()).device  # the inputs go where the model is (cuda on a GPU machine)
     with trainer_context(numerics), torch.no_grad():
         for ids in sequences:
             store: dict = {}
             handles = install_hooks(hf, "hf", store)
-            hf(torch.tensor([ids]))
+            hf(torch.tensor([ids], device=device))
             for h in handles:
                 h.remove()
             hf_runs.append({k: v[0] for k, v in store.items()})
+    trainer_record = alignment.describe()  # the trainer that ran, before the patch comes off
     alignment.remove()
 
     keys = sorted(hf_runs[0], key=lambda k: (k[0], BOUNDARIES.index(k[1]) if k[1] in BOUNDARIES else len(BOUNDARIES)))
@@ -205,7 +207,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         "first_divergence": None if first is None else {"layer": first["layer"], "boundary": first["boundary"]},
         "final_norm": next(r for r in rows if r["boundary"] == FINAL),
         "config": {"model": str(model), "numerics": numerics.to_dict(), "sequences": len(sequences),
-                   "tokens": sum(map(len, sequences)), "trainer": alignment.describe(), "mode": "eager"},
+                   "tokens": sum(map(len, sequences)), "trainer": trainer_record, "mode": "eager"},
         "provenance": started,
         "wall_s": round(time.time() - t0, 2),
     }
@@ -226,7 +228,7 @@ def sequences_from(completions_path: str | Path | None, model: str, count: int, 
         return [c["prompt_ids"] + c["completion_ids"] for c in load_completions(completions_path)[:count]]
     from transformers import AutoTokenizer
 
-    from rpa.measure.probe import default_prompts
+    from rpa.measure.prompts import default_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return [tokenizer.encode(p) for p in default_prompts(count, seed)]

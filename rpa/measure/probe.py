@@ -41,6 +41,7 @@ import numpy as np
 from rpa.core.errors import InputError
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
+from rpa.measure.prompts import default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
 from rpa.measure.scoring import (
@@ -56,8 +57,8 @@ SCHEMA = "rpa.probe/1"
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
                  "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer")
 """``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
-exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time) and ``full_kl``
-are empty where not measured; ``entropy_trainer`` is the entropy (nats) of the trainer's
+exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time), ``full_kl`` and
+``logp_trainer_batch`` (past ``batch_sequences``) are empty where not measured; ``entropy_trainer`` is the entropy (nats) of the trainer's
 next-token distribution at that position (mismatch tracks it: report them together)."""
 
 
@@ -76,24 +77,23 @@ class ProbeOptions:
         "metavar": ("LO", "HI")})
     compiled: bool = field(default=False, metadata={"help": "run vLLM compiled (default: eager)"})
     max_model_len: int = field(default=1024, metadata={"help": "vLLM's context length"})
+    batch_sequences: int | None = field(default=None, metadata={
+        "help": "sequences in the trainer's padded batch (trainer_batch_variance): the first N (default: all); a "
+                "smaller batch bounds the cost of that second trainer pass on a large model"})
+    prompts_file: str | None = field(default=None, metadata={
+        "help": "sample from the first --prompts prompts of this file (JSON lines with 'prompt', a string or a chat "
+                "conversation rendered with the model's chat template; or one prompt per line; `rpa prompts` writes "
+                "one from a task) instead of the built-in ones"})
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise InputError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_sequences is not None and (isinstance(self.batch_sequences, bool) or self.batch_sequences < 2):
+            raise InputError(f"probe option batch_sequences must be >= 2 (a padded batch), got {self.batch_sequences}")
         lo, hi = self.ratio_band
         if not 0 < lo < 1 < hi:
             raise InputError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {tuple(self.ratio_band)}")
-
-
-def default_prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        out.append(rng.choice([f"What is {a} + {b}? Answer:", f"sort {a % 10} {b % 10} {(a + b) % 10} ->",
-                               "the number of words in this list is", "count up: 1 2 3"]))
-    return out
 
 
 def _log(msg: str) -> None:
@@ -112,8 +112,13 @@ def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:
 
 def recorded_options(model: str, numerics: NumericsConfig, options: ProbeOptions,
                      completions_path: str | Path | None) -> dict[str, Any]:
-    """What a probe's output directory records (``options.json``): a rerun with others is refused."""
-    return {"model": str(model), "numerics": numerics.to_dict(), **asdict(options),
+    """What a probe's output directory records (``options.json``): a rerun with others is refused
+    (a prompts file by its content as well as its path)."""
+    import hashlib
+
+    digest = None if options.prompts_file is None or not Path(options.prompts_file).is_file() else \
+        hashlib.sha1(Path(options.prompts_file).read_bytes()).hexdigest()[:12]
+    return {"model": str(model), "numerics": numerics.to_dict(), **asdict(options), "prompts_file_sha1": digest,
             "completions": None if completions_path is None else str(completions_path)}
 
 
@@ -140,8 +145,8 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                    max_model_len=options.max_model_len, enable_prefix_caching=False,
                    max_logprobs=vocab if full else 20)
     if completions_path is None:
-        completions = sample_completions(llm, default_prompts(options.prompts, options.seed), options.samples,
-                                         options.max_tokens)
+        prompts = probe_prompts(options.prompts, options.seed, options.prompts_file, AutoTokenizer.from_pretrained(model))
+        completions = sample_completions(llm, prompts, options.samples, options.max_tokens)
         save_completions(out / "completions.jsonl", completions)
         _log(f"sampled {len(completions)} completions")
     else:
@@ -166,7 +171,10 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                 pi_kl.append(full_kl(dist, pi_dist))
             pi.append(picked)
             pi_entropy.append(entropy)
-        pi_batch = trainer_batch_logprobs(hf, completions, pad_id)
+        batch = completions[: options.batch_sequences]  # None: every sequence
+        pi_batch = trainer_batch_logprobs(hf, batch, pad_id) + [[math.nan] * len(c["completion_ids"])
+                                                                 for c in completions[len(batch):]]
+    trainer_record = alignment.describe()  # the trainer that scored the tokens, before the patch comes off
     alignment.remove()
 
     rows = []
@@ -175,7 +183,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         for j, tok in enumerate(c["completion_ids"]):
             rows.append({"seq": c["seq"], "position": j, "token_id": tok, "logp_trainer": pi[i][j],
                          "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
-                         "logp_trainer_batch": pi_batch[i][j],
+                         "logp_trainer_batch": "" if math.isnan(pi_batch[i][j]) else pi_batch[i][j],
                          "logp_decode": "" if decode is None else decode[j],
                          "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j]})
     col = lambda name: [r[name] for r in rows]  # noqa: E731
@@ -188,17 +196,19 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     else:
         summary.update(full_kl=None, full_kl_max=None,
                        full_kl_note=f"vocabulary {vocab} > full_kl_max_vocab {options.full_kl_max_vocab}: not computed")
+    in_batch = [r for r in rows if r["logp_trainer_batch"] != ""]  # the sequences of the padded batch
+    batched = lambda name: [r[name] for r in in_batch]  # noqa: E731
     summary["trainer_batch_variance"] = {
-        "batch_size": len(completions),
-        "batch_vs_single": _pair_stats(col("logp_trainer_batch"), col("logp_trainer")),
-        "batch_vs_sampler": _pair_stats(col("logp_trainer_batch"), col("logp_sampler")),
+        "batch_size": len(batch),
+        "batch_vs_single": _pair_stats(batched("logp_trainer_batch"), batched("logp_trainer")),
+        "batch_vs_sampler": _pair_stats(batched("logp_trainer_batch"), batched("logp_sampler")),
     }
     if completions_path is None:
         summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
     summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
                          "mode": "compiled" if options.compiled else "eager",
                          "completions": str(completions_path) if completions_path else "sampled",
-                         "trainer": alignment.describe(), "vocab_size": vocab}
+                         "trainer": trainer_record, "vocab_size": vocab}
     summary["provenance"] = started
     summary["wall_s"] = round(time.time() - t0, 2)
     with atomic_path(out / "tokens.csv") as tmp, open(tmp, "w", newline="") as f:

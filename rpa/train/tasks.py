@@ -1,8 +1,12 @@
 """GRPO tasks: prompts with verifiable answers, their reward functions and accuracy.
 
-* ``synthetic-add``: "What is a + b? Answer:" with small integers, checked exactly. Offline,
-  and learnable by a tiny model on CPU after a short supervised warm start
-  (:func:`warm_start`), so the reward starts above zero.
+* ``synthetic-add``: a + b with integers up to ``max_operand``, checked exactly (the first
+  integer of the completion). Offline. Three prompt formats (``prompt_format``): ``plain``
+  ("What is a + b? Answer:"), learnable by a tiny model on CPU after a short supervised warm
+  start (:func:`warm_start`); ``fewshot`` ("Question: a + b" / "Answer:" after
+  ``fewshot_examples`` solved ones), the format in which a small pretrained LM answers 2-digit
+  sums at T = 1 often enough, and not always, for GRPO's groups to differ; ``chat`` (one user
+  message, rendered with the model's chat template where the run or probe has a tokenizer).
 * ``count``: "count from a by k:" -> the next ``length`` numbers mod 100, written out (two tokens
   each with the tiny tokenizer: ~64 completion tokens at length 32), so per-token mismatch
   can accumulate over a long completion. Reward: the share of the ``length`` positions right;
@@ -35,9 +39,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rpa.core.errors import UserError, looks_like_hub_id
+from rpa.measure.prompts import render_prompt, render_rows  # noqa: F401 - a task's rows as the engines see them
 
 TASKS = ("synthetic-add", "count", "walk", "eos-sanity", "gsm8k", "math")
 SYNTHETIC = ("synthetic-add", "count", "walk", "eos-sanity")
+PROMPT_FORMATS = ("plain", "fewshot", "chat")
+"""``synthetic-add``'s prompt formats (see the module doc)."""
 DATA_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """``datasets`` builder names that read local ``data_files``."""
 
@@ -58,6 +65,10 @@ class TaskSpec:
     num_prompts: int = 256
     max_operand: int = 9
     """synthetic-add: operands are drawn from 0..max_operand."""
+    prompt_format: str = "plain"
+    """synthetic-add: ``plain``, ``fewshot`` or ``chat`` (:data:`PROMPT_FORMATS`)."""
+    fewshot_examples: int = 3
+    """synthetic-add with ``prompt_format: fewshot``: solved examples before the question."""
     length: int = 32
     """count, walk: numbers per answer."""
     eval_prompts: int = 0
@@ -74,6 +85,12 @@ class TaskSpec:
                             f"or 'json' with data_files)")
         if self.num_prompts < 1 or self.max_operand < 1 or self.length < 1 or self.eval_prompts < 0:
             raise TaskError("num_prompts, max_operand and length must be >= 1, eval_prompts >= 0")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise TaskError(f"prompt_format {self.prompt_format!r} is not one of {', '.join(PROMPT_FORMATS)}")
+        if self.prompt_format != "plain" and self.name != "synthetic-add":
+            raise TaskError(f"prompt_format {self.prompt_format!r}: only synthetic-add has prompt formats")
+        if self.fewshot_examples < 1:
+            raise TaskError(f"fewshot_examples must be >= 1, got {self.fewshot_examples}")
         if self.path:
             self._check_path()
 
@@ -96,12 +113,24 @@ class TaskSpec:
 # ----------------------------------------------------------------------- synthetic
 
 
-def synthetic_add_rows(n: int, max_operand: int, seed: int) -> list[dict[str, str]]:
+def synthetic_add_rows(n: int, max_operand: int, seed: int, prompt_format: str = "plain",
+                       fewshot_examples: int = 3) -> list[dict[str, Any]]:
+    """``n`` sums a + b (operands 0..``max_operand``) in ``prompt_format``: a string prompt, or for
+    ``chat`` a one-message conversation (``[{"role": "user", "content": ...}]``) that
+    :func:`rpa.measure.prompts.render_prompt` turns into text with the model's chat template."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)})
+        if prompt_format == "fewshot":
+            shots = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(fewshot_examples)]
+            solved = "".join(f"Question: {x} + {y}\nAnswer: {x + y}\n\n" for x, y in shots)
+            prompt: Any = f"{solved}Question: {a} + {b}\nAnswer:"
+        elif prompt_format == "chat":
+            prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]
+        else:
+            prompt = f"What is {a} + {b}? Answer:"
+        rows.append({"prompt": prompt, "answer": str(a + b)})
     return rows
 
 
@@ -321,8 +350,9 @@ def build_task(spec: TaskSpec) -> Task:
     """The task ``spec`` names; ``eval_rows`` is empty unless ``spec.eval_prompts``."""
     held_out = spec.seed + 100_003  # another stream of the same generator: prompts not trained on
     if spec.name == "synthetic-add":
-        return Task(synthetic_add_rows(spec.num_prompts, spec.max_operand, spec.seed),
-                    synthetic_add_rows(spec.eval_prompts, spec.max_operand, held_out), exact_int_reward,
+        fmt = (spec.prompt_format, spec.fewshot_examples)
+        return Task(synthetic_add_rows(spec.num_prompts, spec.max_operand, spec.seed, *fmt),
+                    synthetic_add_rows(spec.eval_prompts, spec.max_operand, held_out, *fmt), exact_int_reward,
                     exact_int_correct)
     if spec.name in ("count", "eos-sanity"):
         reward, correct = (count_reward, count_correct) if spec.name == "count" else \
