@@ -185,9 +185,9 @@ def test_sync_check_classification():
     assert check_sync_result(0.01, 0.05, 5.0, [-1.0, -2.0], [-1.5, -2.5], step=3) is False  # within tolerance
     with pytest.raises(WeightSyncError, match="did not change"):  # stale: vLLM's logprobs are the old ones
         check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], [-1.0, -2.0], step=3)
-    with pytest.raises(WeightSyncError, match="same weights"):  # engines disagree from the start
-        check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], None, step=0)
-    assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], None, step=0, dosed=True) is True  # a dose, on purpose
+    with pytest.raises(WeightSyncError, match="same weights"):  # engines disagree from the start: whole nats
+        check_sync_result(2.5, 0.0, 5.0, [-1.0, -2.0], None, step=0)
+    assert check_sync_result(2.5, 0.0, 5.0, [-1.0, -2.0], None, step=0, dosed=True) is True  # a dose, on purpose
     assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7) is True  # the mismatch: recorded
     # a dosed sampler re-checked before any update: same logprobs, not stale
     assert check_sync_result(0.2, 0.05, 5.0, [-1.0, -2.0], [-1.0, -2.0], step=0, dosed=True, updated=False) is True
@@ -195,6 +195,31 @@ def test_sync_check_classification():
         check_sync_result(float("nan"), 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7)
     with pytest.raises(EngineDivergence, match="abort_gap"):
         check_sync_result(9.0, 0.05, 5.0, [-1.0, -3.0], [-1.0, -2.0], step=7)
+
+
+def test_sync_check_is_relative_to_the_models_equal_weights_gap():
+    """SmolLM2-135M's start-up gap on equal weights is 0.0547 (and 0.021-0.045 during 20 GRPO steps):
+    the old constant 0.05 stopped its run before step 1. The start gap is now the reference: equal
+    weights pass at any model's rounding level, stale weights are still caught relative to it, and
+    a tiny model's 5e-3 start gap keeps its check as sharp as before."""
+    from rpa.train.config import SyncCheck
+    from rpa.train.sync_check import WeightSyncError, check_sync_result, sync_threshold
+
+    check = SyncCheck()
+    assert check_sync_result(0.0547, sync_threshold(None, check.relative_tolerance, check.tolerance), check.abort_gap,
+                             [-1.0, -2.0], None, step=0, start_tolerance=check.start_tolerance) is True
+    real = sync_threshold(0.0547, check.relative_tolerance, check.tolerance)
+    for gap in (0.021, 0.045, 0.0547, 0.16):  # the real model's in-training gaps: recorded, never an error
+        assert check_sync_result(gap, real, check.abort_gap, [-1.0, -2.5], [-1.0, -2.0], step=5) is (gap > real)
+    with pytest.raises(WeightSyncError, match="did not change"):  # vLLM stale, trainer moved on
+        check_sync_result(0.4, real, check.abort_gap, [-1.0, -2.0], [-1.0, -2.0], step=5)
+    tiny = sync_threshold(0.005, check.relative_tolerance, check.tolerance)
+    assert tiny == pytest.approx(0.015)
+    with pytest.raises(WeightSyncError, match="did not change"):
+        check_sync_result(0.04, tiny, check.abort_gap, [-1.0, -2.0], [-1.0, -2.0], step=5)
+    assert sync_threshold(0.005, 3.0, 0.05) == 0.05  # an old run's absolute floor still applies
+    with pytest.raises(ValueError):
+        SyncCheck(relative_tolerance=0.5)
 
 
 @pytest.mark.engine
@@ -510,3 +535,36 @@ def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
     (b / "config.json").write_text('{"dtype": "bfloat16", "head_dtype": "float32"}')
     assert checkpoint_layout(str(a)) != checkpoint_layout(str(b))
     assert checkpoint_layout("Qwen/Qwen3-0.6B") == "id:Qwen/Qwen3-0.6B" != checkpoint_layout(str(a))
+
+
+@pytest.mark.engine
+def test_trainer_sampled_rollouts_are_the_mismatch_free_control(tiny_dirs, tmp_path):
+    """``rollouts: trainer``: the trainer samples its own completions (no vLLM engine), so the
+    sampling policy is the trained one up to cached decoding vs the training forward; its in-training
+    mismatch is far below the same BF16 arm sampled by vLLM, on the same tiny model, seed and steps."""
+    runs = {}
+    for rollouts in ("vllm", "trainer"):
+        cfg = tmp_path / f"{rollouts}.yaml"
+        cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 3, "checkpoint_every": 3,
+                                       "numerics": {"regions": "none", "trainer_positions": "mask"},
+                                       "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
+                                       "old_logprobs": "sampler", "rollouts": rollouts,
+                                       "task": {**BASE["task"], "eval_prompts": 4}, "eval_every": 3}))
+        proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / rollouts)])
+        assert proc.returncode == 0, tail(proc)
+        runs[rollouts] = [json.loads(line) for line in (tmp_path / rollouts / "metrics.jsonl").read_text().splitlines()]
+    mismatch = {k: max(r["mismatch/mean_abs_dlogp"] for r in v) for k, v in runs.items()}
+    assert mismatch["trainer"] < mismatch["vllm"] / 10, mismatch
+    assert all(r["sync/mean_abs_dlogp"] is None for r in runs["trainer"])  # no second engine to sync
+    assert all(r["mismatch/tokens"] > 0 for r in runs["trainer"])
+    summary = json.loads((tmp_path / "trainer" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["config"]["rollouts"] == "trainer"
+    assert (tmp_path / "trainer" / "eval.jsonl").read_text().strip()  # evaluated by the trainer's own generation
+    assert "generate" not in summary["timings"]  # no vLLM generation was timed
+
+
+def test_trainer_rollouts_refuse_what_needs_a_second_engine():
+    with pytest.raises(TrainConfigError, match="importance-sampling correction needs a second engine"):
+        TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "is_correction": "token_truncate"})
+    with pytest.raises(TrainConfigError, match="rollouts: 'sglang' is not one of vllm, trainer"):
+        TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "sglang"})

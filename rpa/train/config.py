@@ -24,6 +24,10 @@ IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_t
 
 OLD_LOGPROBS = ("trainer", "sampler")
 
+ROLLOUTS = ("vllm", "trainer")
+"""Who samples the rollouts: ``vllm`` (the colocated engine: the mismatch under study) or ``trainer``
+(the trainer's own BF16 compute path: the mismatch-free control, mu = pi up to decode vs recompute)."""
+
 LR_SCHEDULES = ("linear", "constant", "cosine")
 """``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
 
@@ -51,19 +55,32 @@ class WarmStart:
 
 @dataclass(frozen=True)
 class SyncCheck:
-    """After every weight sync vLLM and the trainer score a fixed probe sequence. Over
-    ``tolerance`` (mean |dlogp|) with vLLM's logprobs unchanged means stale weights (the run
-    stops); otherwise it is recorded (``sync/over_tolerance``). Over ``abort_gap`` (or not
-    finite) the engines have blown apart: the run stops as a collapse."""
+    """After every weight sync vLLM and the trainer score a fixed probe sequence
+    (:mod:`rpa.train.sync_check`). The start-up check, on equal weights, measures this model's
+    rounding gap; later checks are judged against it: over ``relative_tolerance`` times that gap
+    with vLLM's logprobs unchanged means stale weights (the run stops), otherwise it is recorded
+    (``sync/over_tolerance``). At the start, over ``start_tolerance`` means the engines did not
+    load the same weights. Over ``abort_gap`` (or not finite) the engines have blown apart: the
+    run stops as a collapse."""
 
-    tolerance: float = 0.05
+    relative_tolerance: float = 3.0
+    """Over this many times the start-up (equal-weights) gap, a later check is over tolerance."""
+    start_tolerance: float = 1.0
+    """Mean |dlogp| at start-up above which the engines hold different weights (rounding gives
+    ~5e-3 on the tiny models, ~0.05 on SmolLM2-135M; other weights give whole nats)."""
+    tolerance: float | None = None
+    """An absolute floor under the relative threshold (None: relative only). Runs configured before
+    the relative rule set 0.05 here."""
     abort_gap: float = 5.0
     probe_tokens: int = 32
     """Tokens of the fixed probe sequence (its first is the prompt: at least 2)."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.tolerance < self.abort_gap or self.probe_tokens < 2:
-            raise ValueError(f"0 < tolerance < abort_gap and probe_tokens >= 2 are required; got tolerance "
+        if not (self.relative_tolerance >= 1 and 0 < self.start_tolerance < self.abort_gap
+                and (self.tolerance is None or 0 < self.tolerance < self.abort_gap)) or self.probe_tokens < 2:
+            raise ValueError(f"relative_tolerance >= 1, 0 < start_tolerance < abort_gap, 0 < tolerance < abort_gap "
+                             f"(or null) and probe_tokens >= 2 are required; got relative_tolerance "
+                             f"{self.relative_tolerance}, start_tolerance {self.start_tolerance}, tolerance "
                              f"{self.tolerance}, abort_gap {self.abort_gap}, probe_tokens {self.probe_tokens}")
 
 
@@ -137,6 +154,11 @@ class TrainConfig:
     cache is keyed by the model path, and every run loads its own ``init_model``)."""
     shuffle_dataset: bool = True
     disable_dropout: bool = True
+    rollouts: str = "vllm"
+    """Who samples: ``vllm`` (the colocated engine) or ``trainer`` (the mismatch-free BF16 control:
+    the trainer generates with its own compute path, so the sampling policy is the trained one up
+    to the rounding of cached decoding vs the training forward; no vLLM engine starts, and the
+    sampler's logprobs are the decode-time ones). :data:`ROLLOUTS`."""
 
     def __post_init__(self) -> None:
         for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):
@@ -168,6 +190,16 @@ class TrainConfig:
             raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+        if self.rollouts not in ROLLOUTS:
+            raise TrainConfigError(f"rollouts: {self.rollouts!r} is not one of {', '.join(ROLLOUTS)}")
+        if self.rollouts == "trainer":
+            if self.is_correction != "off":
+                raise TrainConfigError("is_correction: an importance-sampling correction needs a second engine; "
+                                       "rollouts: trainer samples from the trained policy itself")
+            if self.numerics.sampler_perturbation is not None or self.numerics.aligned_sides != "both":
+                raise TrainConfigError("rollouts: trainer has no separate sampler to perturb or align one-sidedly")
+            if self.vllm_tensor_parallel_size != 1:
+                raise TrainConfigError("rollouts: trainer starts no vLLM engine; vllm_tensor_parallel_size must be 1")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
         if self.old_logprobs == "sampler" and self.is_correction != "off":

@@ -135,13 +135,14 @@ def run_warm_start(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     grid's cells share one starting point. Does nothing when ``out_dir`` already holds it."""
     from transformers import AutoTokenizer
 
-    from rpa.train.tasks import build_task
+    from rpa.train.tasks import build_task, render_rows
 
     out = Path(out_dir)
     if (out / "config.json").exists():
         _log(f"{out} already holds a warm-started model; nothing to do")
         return json.loads((out / "rpa_init.json").read_text())
-    rows, dropped = filter_prompts(build_task(cfg.task).rows, AutoTokenizer.from_pretrained(cfg.model),
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    rows, dropped = filter_prompts(render_rows(build_task(cfg.task).rows, tokenizer), tokenizer,
                                    cfg.max_prompt_length)
     out.parent.mkdir(parents=True, exist_ok=True)
     _log(f"warm start: {cfg.warm_start.steps} steps on {len(rows)} prompts ({dropped} too long) -> {out}")
@@ -252,12 +253,15 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     from transformers import AutoTokenizer
 
     from rpa.sides.engine import make_llm_env
-    from rpa.train.tasks import build_task
+    from rpa.train.tasks import build_task, render_rows
 
     task = build_task(cfg.task)
     source_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    rows, dropped = filter_prompts(task.rows, source_tokenizer, cfg.max_prompt_length)
-    eval_rows, _ = filter_prompts(task.eval_rows, source_tokenizer, cfg.max_prompt_length)
+    # chat-format prompts as the text of the model's chat template: what vLLM, TRL, the warm start,
+    # the sync probe and the evaluation all see
+    rows, dropped = filter_prompts(render_rows(task.rows, source_tokenizer), source_tokenizer, cfg.max_prompt_length)
+    eval_rows, _ = filter_prompts(render_rows(task.eval_rows, source_tokenizer), source_tokenizer,
+                                  cfg.max_prompt_length)
     if dropped:
         _log(f"dropped {dropped} prompt(s) longer than max_prompt_length={cfg.max_prompt_length} tokens")
     if not rows:
@@ -328,7 +332,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             with timings.phase("train"):
                 trainer.train(resume_from_checkpoint=str(resume) if resume else None)
             if cfg.eval_every and eval_rows and getattr(trainer, "rpa_last_eval_step", None) != cfg.steps:
-                trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
+                if cfg.rollouts == "vllm":
+                    trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
                 trainer.rpa_evaluate(cfg.steps)
         except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
             error = err

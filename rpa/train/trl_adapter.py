@@ -16,7 +16,9 @@ What it relies on, beyond ``GRPOTrainer``/``GRPOConfig``'s public surface:
   chunked path) and ``GRPOTrainer._metrics`` (per-step values TRL averages and logs);
 * accelerate's ``Accelerator.unscale_gradients`` and the optimizer's ``_is_overflow`` (FP16
   dynamic loss scaling);
-* ``GRPOConfig``'s ``vllm_importance_sampling_*`` options (deprecated on TRL's main branch).
+* ``GRPOConfig``'s ``vllm_importance_sampling_*`` options (deprecated on TRL's main branch);
+* ``GRPOTrainer``'s ``rollout_func`` (experimental in TRL), ``_tokenize_prompts`` and
+  ``generation_config`` -- the mismatch-free arm's rollouts (:func:`trainer_rollout`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import trl
 from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
-from rpa.train.sync_check import check_sync_result
+from rpa.train.sync_check import check_sync_result, sync_threshold
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
 
 TRL_VERSION = "1.16.0"
@@ -164,6 +166,52 @@ def finish_rollout(out: dict[str, Any], trainer, *, old_logprobs: str, epsilon_l
     return local, bad
 
 
+def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
+    """The mismatch-free BF16 arm's rollouts (``rollouts: trainer``): the trainer samples its own
+    completions with its own compute path (the aligned/cast HF model, KV-cached decoding, left
+    padding with positions from the mask), so the sampling policy mu is pi up to decode-vs-recompute
+    rounding. TRL's ``rollout_func`` contract: one completion per prompt of the batch (the prompts
+    come repeated ``num_generations`` times), with the decode-time log-probability of each sampled
+    token -- FP32 log-softmax of the raw logits at the sampling temperature, as vLLM reports it --
+    which TRL makes ``sampling_per_token_logps``."""
+    import torch
+
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)  # exactly as TRL tokenizes for its engine
+    tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(map(len, prompt_ids))
+    device = next(model.parameters()).device
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompt_ids):  # left padding, as TRL's own generation lays the batch out
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    config = trainer.generation_config  # TRL's sampling settings (temperature, top_k 0, top_p 1, max_new_tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                                 output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.train(was_training)
+    new = out.sequences[:, width:]
+    temperature = config.temperature or 1.0
+    eos = set(trainer.eos_token_ids)
+    completion_ids, logprobs = [], []
+    for row in range(new.size(0)):
+        tokens, logps = [], []
+        for step, token in enumerate(new[row].tolist()):
+            logits = out.logits[step][row].float() / temperature
+            logps.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            tokens.append(token)
+            if token in eos:
+                break
+        completion_ids.append(tokens)
+        logprobs.append(logps)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
 def make_trainer_class():
     """:class:`RpaGRPOTrainer`, TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added."""
     import numpy as np
@@ -184,10 +232,11 @@ def make_trainer_class():
             self.rpa_probe_ids = probe_ids
             self.rpa_timings = timings if timings is not None else Timings()
             taken: list[bool] = []
+            if rpa_config.rollouts == "trainer":  # the mismatch-free arm: no vLLM, the trainer samples itself
+                kwargs["rollout_func"] = trainer_rollout
             with colocated_llm_args(rpa_config, engines, taken):
                 super().__init__(*args, **kwargs)
             self.rpa_engine_taken_over = any(taken)
-            from rpa.sides.engine import verify_plugin
 
             if self.ref_model is not None:
                 # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
@@ -197,6 +246,25 @@ def make_trainer_class():
 
                 self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
 
+            self.rpa_evaluate = self.rpa_timings.wrap("evaluate", self.rpa_evaluate)
+            if rpa_config.rollouts == "trainer":
+                self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False  # one engine: no sync
+            else:
+                self._rpa_setup_engine()
+            # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
+            num = rpa_config.numerics
+            self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
+                else None
+            self.rpa_unscaled, self.rpa_found_inf = False, False
+            if self.rpa_loss_scale is not None:
+                self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
+
+        def _rpa_setup_engine(self) -> None:
+            """The colocated vLLM engine: the plugin and the engine's dtypes verified (fail-closed), the
+            weight sync made to work on CPU and checked after every sync, the start-up check."""
+            from rpa.sides.engine import verify_plugin
+
+            rpa_config = self.rpa_config
             llm = self.vllm_generation.llm
             verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
             self._check_engine_config(llm)
@@ -217,7 +285,6 @@ def make_trainer_class():
             gen.generate = timings.wrap("generate", gen.generate)
             gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
             self.check_sync = timings.wrap("sync_check", self.check_sync)
-            self.rpa_evaluate = timings.wrap("evaluate", self.rpa_evaluate)
             # vLLM starts from the same weights as the trainer: checked now -- unless the trainer model is not yet on
             # vLLM's device (FSDP2 leaves it on the CPU until accelerate shards it in train()): a CPU-vs-CUDA
             # comparison of a full model on every rank would measure the devices, not the sync; the first
@@ -229,13 +296,6 @@ def make_trainer_class():
                 self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False
                 log("train", f"start-up sync check deferred to the first in-loop sync: the trainer model is on "
                      f"{next(self.model.parameters()).device.type} until accelerate places it")
-            # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
-            num = rpa_config.numerics
-            self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
-                else None
-            self.rpa_unscaled, self.rpa_found_inf = False, False
-            if self.rpa_loss_scale is not None:
-                self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
 
         def _check_engine_config(self, llm) -> None:
             mc = llm.llm_engine.model_config
@@ -272,11 +332,15 @@ def make_trainer_class():
             previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
             previous_pi, self.rpa_prev_probe_pi = getattr(self, "rpa_prev_probe_pi", None), pi
             check = self.rpa_config.sync_check
+            start = getattr(self, "rpa_start_sync_gap", None)  # this model's gap on equal weights
             # stale = the trainer's weights moved (its own logprobs changed) and vLLM's did not; a step
             # with no update (all-equal rewards: zero advantages) leaves both unchanged, legitimately
             self.rpa_sync_over_tolerance = check_sync_result(
-                gap, check.tolerance, check.abort_gap, mu, previous, step,
-                dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi)
+                gap, sync_threshold(start, check.relative_tolerance, check.tolerance), check.abort_gap, mu, previous,
+                step, dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi,
+                start_tolerance=check.start_tolerance)
+            if previous is None:
+                self.rpa_start_sync_gap = gap
             self.rpa_last_sync_gap = gap
             return gap
 
@@ -300,11 +364,14 @@ def make_trainer_class():
             from vllm import SamplingParams
 
             task, rows = self.rpa_task, self.rpa_eval_rows
-            params = SamplingParams(temperature=self.rpa_config.eval_temperature,
-                                    max_tokens=self.rpa_config.max_completion_length)
-            outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
-            texts = [o.outputs[0].text for o in outs]
-            ids = [list(o.outputs[0].token_ids) for o in outs]
+            if self.rpa_config.rollouts == "trainer":  # the arm's own sampler: the trainer
+                texts, ids = self._rpa_trainer_eval([r["prompt"] for r in rows])
+            else:
+                params = SamplingParams(temperature=self.rpa_config.eval_temperature,
+                                        max_tokens=self.rpa_config.max_completion_length)
+                outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+                texts = [o.outputs[0].text for o in outs]
+                ids = [list(o.outputs[0].token_ids) for o in outs]
             rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
                                   completion_ids=ids)
             record = {"step": step, "eval/reward": float(np.mean(rewards)),
@@ -314,6 +381,22 @@ def make_trainer_class():
             append_jsonl(self.rpa_eval_path, record)
             self.rpa_last_eval_step = step
             return record
+
+        def _rpa_trainer_eval(self, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
+            """The held-out completions of a trainer-sampled run: the trainer's own generation at
+            ``eval_temperature`` (0: greedy)."""
+            import copy
+
+            config = copy.deepcopy(self.generation_config)
+            temperature = self.rpa_config.eval_temperature
+            config.do_sample, config.temperature = temperature > 0, (temperature or 1.0)
+            stock, self.generation_config = self.generation_config, config
+            try:
+                out = trainer_rollout(prompts, self)
+            finally:
+                self.generation_config = stock
+            ids = out["completion_ids"]
+            return self.processing_class.batch_decode(ids, skip_special_tokens=True), ids
 
         def training_step(self, *args, **kwargs):
             with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
@@ -408,11 +491,11 @@ def grpo_args(cfg: TrainConfig, out: Path):
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
         use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
-        fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=True, vllm_mode="colocate",
+        fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=cfg.rollouts == "vllm", vllm_mode="colocate",
         vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-        vllm_importance_sampling_correction=mode is not None,
+        vllm_importance_sampling_correction=mode is not None and cfg.rollouts == "vllm",
         vllm_importance_sampling_mode=mode or "token_truncate", vllm_importance_sampling_cap=cfg.is_cap,
         disable_dropout=cfg.disable_dropout, shuffle_dataset=cfg.shuffle_dataset, dataloader_num_workers=0,
         scale_rewards=cfg.scale_rewards, lr_scheduler_type=cfg.lr_scheduler_type, num_iterations=cfg.num_iterations,
