@@ -37,12 +37,14 @@ rule all:
     input:
         probe_tables(),
         analysis_figures(),
+        attribution_outputs(),
 
 
 include: "rules/models.smk"
 include: "rules/gate.smk"
 include: "rules/probe.smk"
 include: "rules/diagnose.smk"
+include: "rules/attribution.smk"
 include: "rules/analysis.smk"
 include: "rules/train.smk"
 include: "rules/dose.smk"

@@ -79,8 +79,11 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
     if not rows:
         raise SystemExit(f"no probe summaries under {results}/probe")
     df = pd.DataFrame(rows)
-    stock = df[(df.regions == "none") & (df.precision == "bf16") & ~df.lm_head_fp32 & (df.trainer_mode == "compute")]
-    base = stock.groupby("model").mean_abs_dlogp.first()
+    attention = df["trainer_attention"].fillna("stock") if "trainer_attention" in df else "stock"  # older summaries
+    stock = df[(df.regions == "none") & (df.precision == "bf16") & ~df.lm_head_fp32 & (df.trainer_mode == "compute")
+               & (attention == "stock")]
+    stock = stock.assign(_named=stock.config != "none").sort_values(["model", "_named"], kind="stable")
+    base = stock.groupby("model").mean_abs_dlogp.first()  # the row named none where there is one
     df["rel_mean_abs_dlogp_vs_none"] = df.mean_abs_dlogp / df.model.map(base)
     df = pd.concat([df, paired_changes(results, df, numerics, stock.groupby("model").config.first().to_dict())],
                    axis=1)

@@ -42,9 +42,16 @@ def _probe_configs(config: str) -> tuple[str, ...]:
 def analyses() -> dict[str, tuple[Analysis, ...]]:
     """Reference folder -> the analyses that made its tables (command lines as in ``rules/``)."""
     return {
-        "cpu": (
+        "main": (
             Analysis(("analysis.aggregate", "--results", "{R}", "--out-dir", "{R}/tables", "--configs",
                       *_probe_configs("config.yaml")), ("probe.csv", "probe.md", "diagnose.csv")),
+            Analysis(("analysis.attribution", "--results", "{R}", "--out-dir", "{R}/tables",
+                      "--figure", "{R}/figures/attribution.png"),
+                     ("attribution.csv", "attribution.md", "attribution_ops.csv")),
+        ),
+        "cpu": (
+            Analysis(("analysis.aggregate", "--results", "{R}", "--out-dir", "{R}/tables", "--configs",
+                      *_probe_configs("toys.yaml")), ("probe.csv", "probe.md", "diagnose.csv")),
             Analysis(("analysis.train_summary", "--results", "{R}", "--out-table", "{R}/tables/train.csv",
                       "--out-md", "{R}/tables/train.md", "--out-figure", "{R}/figures/train_curves.png"),
                      ("train.csv", "train.md")),

@@ -3,11 +3,13 @@
     python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what dose
     python -m analysis.export_reference --results results/study-cpu --out results/reference/study-cpu --what study
     python -m analysis.export_reference --results results/collapse-cpu --out results/reference/collapse-cpu --what search
-    python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what pipeline
+    python -m analysis.export_reference --results results/cpu --out results/reference/main --what pipeline
+    python -m analysis.export_reference --results results/toys --out results/reference/cpu --what pipeline
 
 ``pipeline`` is the probe pipeline of ``make main``: each parity report, each probe's
 ``summary.json`` and ``tokens.csv`` (restricted as below), each diagnosis' ``summary.json`` and
-``layers.csv``, and its tables and figures.
+``layers.csv``, each attribution's ``summary.json``, ``tokens.csv`` and ``ops.csv``, and its
+tables and figures.
 
 Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
@@ -39,10 +41,11 @@ TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv
                     "study_sensitivity.tex", "probe.csv", "probe.md"),
           "search": tuple(f"search_{stage}.{ext}" for stage in ("pilot", "grid", "ablation", "lever")
                           for ext in ("csv", "md", "json")),
-          "pipeline": ("probe.csv", "probe.md", "diagnose.csv")}
+          "pipeline": ("probe.csv", "probe.md", "diagnose.csv", "attribution.csv", "attribution.md",
+                       "attribution_ops.csv")}
 FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch"),
            "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever")),
-           "pipeline": ("mismatch", "dlogp_vs_prob", "layers")}
+           "pipeline": ("mismatch", "dlogp_vs_prob", "layers", "attribution")}
 
 
 def copy_run(src: Path, dst: Path) -> None:
@@ -68,7 +71,7 @@ def copy_probe(src: Path, dst: Path) -> None:
 
 def export_pipeline(results: Path, out: Path) -> int:
     """The probe pipeline's parity reports, probes and diagnoses (what its tables are made from)."""
-    for folder in ("parity", "probe", "diagnose"):
+    for folder in ("parity", "probe", "diagnose", "attribution"):
         shutil.rmtree(out / folder, ignore_errors=True)  # no stale cells from an earlier export
     reports = sorted((results / "parity").glob("*.json"))
     for report in reports:
@@ -83,7 +86,13 @@ def export_pipeline(results: Path, out: Path) -> int:
         dst.mkdir(parents=True, exist_ok=True)
         for name in ("summary.json", "layers.csv"):
             shutil.copy2(diagnosis / name, dst / name)
-    return len(reports) + len(probes) + len(diagnoses)
+    attributions = sorted(p.parent for p in (results / "attribution").glob("*/*/summary.json"))
+    for attribution in attributions:
+        dst = out / attribution.relative_to(results)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "tokens.csv", "ops.csv"):
+            shutil.copy2(attribution / name, dst / name)
+    return len(reports) + len(probes) + len(diagnoses) + len(attributions)
 
 
 def main() -> None:

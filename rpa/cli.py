@@ -17,6 +17,47 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gguf_source(args: argparse.Namespace):
+    from rpa.sides.convert import GgufSource
+
+    return GgufSource(file=args.gguf, package=args.package, version=args.version, sha256=args.sha256)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from rpa.sides.convert import convert_gguf
+
+    record = convert_gguf(_gguf_source(args), args.out)
+    types = ", ".join(f"{n} {t}" for t, n in record["tensor_types"].items())
+    origin = f"{record['package']} {record['version']}: " if record["package"] else ""
+    print(f"rpa convert: {origin}{record['file']} ({record['architecture']}, {record['tensors']} tensors: {types}; "
+          f"sha256 {record['sha256'][:12]}...) dequantized to an FP32 checkpoint -> {args.out}")
+    return 0
+
+
+def _task_spec(args: argparse.Namespace):
+    from dataclasses import fields
+
+    from rpa.core.fieldtypes import build
+    from rpa.train.tasks import TaskSpec
+
+    return build(TaskSpec, {"name": args.task, **{f.name: getattr(args, f.name) for f in fields(TaskSpec)
+                                                  if f.name != "name"}})
+
+
+def _cmd_prompts(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rpa.core.jsonfiles import write_text
+    from rpa.train.tasks import build_task
+
+    rows = build_task(_task_spec(args)).rows
+    write_text(Path(args.out), "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
+                                       for r in rows))
+    print(f"rpa prompts: {len(rows)} prompts of task {args.task} -> {args.out}")
+    return 0
+
+
 def _parity_numerics(args: argparse.Namespace):
     from rpa.core.numerics_config import NumericsConfig
 
@@ -43,7 +84,9 @@ def _cmd_parity(args: argparse.Namespace) -> int:
               f"equal={r['elements_equal']} max_abs_diff={r['max_abs_diff']:g}")
     for name, gap in report.get("compiled_vs_eager", {}).items():
         verdict = "bitwise equal" if gap["bitwise_equal"] else "DIFFERS"
-        print(f"  {name} vs eager engine: {verdict} ({gap['tokens']} prompt logprobs, max |d| {gap['max_abs_dlogp']:g})")
+        gated = "" if gap["gated"] else " [not gated: a partial region set leaves stock ops to Inductor's fusion]"
+        print(f"  {name} vs eager engine: {verdict} ({gap['tokens']} prompt logprobs, max |d| "
+              f"{gap['max_abs_dlogp']:g}){gated}")
     lp = report["logprobs"]
     print(f"  logprobs (whole model, not gated): mean|dlogp|={lp['mean_abs_dlogp']:.3g} "
           f"max={lp['max_abs_dlogp']:.3g} bitwise={lp['frac_bitwise_equal']:.3f}")
@@ -79,7 +122,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-NUMERICS_FLAGS = ("precision", "lm_head_fp32", "trainer_mode", "trainer_positions", "aligned_sides", "device")
+NUMERICS_FLAGS = ("precision", "lm_head_fp32", "trainer_mode", "trainer_positions", "aligned_sides", "trainer_attention",
+                  "device")
 """The NumericsConfig fields that are plain flags (regions and the perturbation have their own)."""
 
 
@@ -118,6 +162,26 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     first = s["first_divergence"]
     where = "none (bitwise equal everywhere)" if first is None else f"layer {first['layer']} {first['boundary']}"
     print(f"rpa diagnose: {s['config']['numerics']}: first divergence at {where} -> {args.out}/layers.csv")
+    return 0
+
+
+def _attribution_options(args: argparse.Namespace):
+    from rpa.core.fieldtypes import from_args
+    from rpa.measure.attribution import AttributionOptions
+
+    return from_args(AttributionOptions, args)
+
+
+def _cmd_attribute(args: argparse.Namespace) -> int:
+    from rpa.measure.attribution import run_attribution
+
+    s = run_attribution(args.model, _numerics(args), args.out, args.completions, _attribution_options(args))
+    base = s["rungs"]["trainer"]["mean_abs_dlogp"]
+    for rung, r in s["rungs"].items():
+        print(f"  {rung:20s} mean|dlogp|={r['mean_abs_dlogp']:.4g} ({100 * (r['mean_abs_dlogp'] / base - 1):+.1f}% vs "
+              f"trainer) bitwise={r['frac_bitwise_equal']:.3f}")
+    print(f"rpa attribute: {s['config']['numerics']['regions']}: {s['tokens']} tokens of {s['sequences']} sequences "
+          f"-> {args.out}/summary.json")
     return 0
 
 
@@ -167,10 +231,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rpa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("tiny", help="build a tiny random Qwen2/Qwen3 model + local tokenizer")
+    tiny = sub.add_parser("tiny", help="build a tiny random Qwen2/Qwen3/Llama model + local tokenizer")
     tiny.add_argument("--out", required=True, help="output directory")
     add_arguments(tiny, TinySpec)
     tiny.set_defaults(func=_cmd_tiny)
+
+    convert = sub.add_parser("convert", help="dequantize a GGUF file (a path, or a file an installed package ships) "
+                                             "into an FP32 Hugging Face checkpoint")
+    from rpa.sides.convert import GgufSource
+
+    convert.add_argument("--gguf", required=True, metavar="FILE",
+                         help=GgufSource.__dataclass_fields__["file"].metadata["help"])
+    add_arguments(convert, GgufSource, names=("package", "version", "sha256"))
+    convert.add_argument("--out", required=True, help="output checkpoint directory")
+    convert.set_defaults(func=_cmd_convert)
+
+    prompts = sub.add_parser("prompts", help="write a task's training prompts (and answers) as a prompts file for "
+                                             "rpa probe --prompts-file")
+    from rpa.train.tasks import TASKS, TaskSpec
+
+    prompts.add_argument("--task", default="synthetic-add", choices=TASKS, help="the task (default: synthetic-add)")
+    add_arguments(prompts, TaskSpec, names=tuple(f for f in TaskSpec.__dataclass_fields__ if f != "name"))
+    prompts.add_argument("--out", required=True, help="output JSON-lines file")
+    prompts.set_defaults(func=_cmd_prompts)
 
     parity = sub.add_parser("parity", help="fail-closed bitwise check of region numerics, vLLM vs trainer")
     parity.add_argument("--model", help="model directory (or hub id); required")
@@ -197,6 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(diag, DiagnoseOptions)
     diag.set_defaults(func=_cmd_diagnose)
 
+    attr = sub.add_parser("attribute", help="which unaligned kernel carries the rest of the mismatch: the trainer "
+                                            "rescored with vLLM's own GEMMs / LM head swapped in, rung by rung")
+    attr.add_argument("--model", help="model directory; required")
+    _add_numerics_args(attr)
+    attr.add_argument("--out", help="output directory (tokens.csv, summary.json); required")
+    attr.add_argument("--completions", help="the token sequences to score (a probe's completions.jsonl); required")
+    from rpa.measure.attribution import AttributionOptions
+
+    add_arguments(attr, AttributionOptions)
+    attr.set_defaults(func=_cmd_attribute)
+
     train = sub.add_parser("train", help="GRPO run (TRL + colocated vLLM) with one numerics configuration")
     train.add_argument("--config", required=True, action="append",
                        help="run config YAML (see experiments/train/); repeated with --out for several runs in one "
@@ -210,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", required=True, help="run config YAML (model, task, warm_start, seed)")
     warm.add_argument("--out", required=True, help="output model directory")
     warm.set_defaults(func=_cmd_warm_start)
-    parser.job_parsers = {"parity": parity, "probe": probe, "diagnose": diag}  # they take --config too
+    parser.job_parsers = {"parity": parity, "probe": probe, "diagnose": diag, "attribute": attr}  # --config too
     for job in parser.job_parsers.values():
         job.add_argument("--config", help="a YAML mapping of this command's options, one job in one file (keys: the "
                                           "flags' names with _ for -); flags given here override it")
@@ -259,6 +353,14 @@ def _check_inputs(args: argparse.Namespace) -> None:
     from rpa.core.errors import InputError
     from rpa.measure.inputs import check_model, check_output, check_token_ids
 
+    if args.command == "convert":
+        _gguf_source(args).locate()
+        check_output(args.out, "dir")
+        return
+    if args.command == "prompts":
+        _task_spec(args)
+        check_output(args.out, "file")
+        return
     if args.command == "tiny":
         from rpa.core.fieldtypes import from_args
         from rpa.sides.tiny import TinySpec
@@ -303,9 +405,22 @@ def _check_inputs(args: argparse.Namespace) -> None:
         from rpa.core.fieldtypes import from_args
 
         from_args(DiagnoseOptions, args)  # ranges of diagnose's options
+    if args.command == "attribute":
+        _attribution_options(args)
+        if not args.completions:
+            raise InputError("--completions required (as a flag or in --config): the sequences to score")
+        if numerics.precision != "bf16":
+            raise InputError("attribute swaps BF16 kernels; --precision must be bf16")
     numerics.check_device()
     config = check_model(args.model)
     completions = getattr(args, "completions", None)
+    if options is not None and options.prompts_file and not completions:
+        from rpa.measure.prompts import read_prompts
+
+        count = len(read_prompts(options.prompts_file))  # one line naming the file and line, before any engine
+        if count < options.prompts:
+            raise InputError(f"--prompts-file {options.prompts_file}: {count} prompts, --prompts asks for "
+                             f"{options.prompts}")
     if completions:
         from rpa.measure.scoring import load_completions
 
@@ -322,6 +437,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
         from rpa.measure.diagnose import recorded_options
 
         check_options(args.out, "diagnose", recorded_options(args.model, numerics, _sequences(args), args.seed))
+    elif args.command == "attribute":
+        from rpa.measure.attribution import recorded_options
+
+        check_options(args.out, "attribute", recorded_options(args.model, numerics, completions,
+                                                               _attribution_options(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,7 @@ rule figures:
     input:
         probe=f"{R}/tables/probe.csv",
         diagnose=f"{R}/tables/diagnose.csv",
-        tokens=expand(f"{R}/probe/{{model}}/{{numerics}}/tokens.csv", model=MODELS,
-                      numerics=FIGURES["dlogp_vs_prob_configs"]),
+        tokens=figure_tokens(),
     output:
         analysis_figures(),
     params:

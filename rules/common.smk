@@ -2,16 +2,21 @@
 
 import re
 
-from rpa.workflow.pipeline import (diagnose_job, dose_init_config, dose_points, model_location, parity_job,
-                                   probe_job, search_points, study_arm_names, study_groups, study_init_config,
+from rpa.workflow.pipeline import (attribution_job, diagnose_job, dose_init_config, dose_points, gguf_flags,
+                                   model_configs, model_kind,
+                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, study_groups, study_init_config,
                                    study_points, study_priorities, study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
+# model names by kind, as wildcard patterns of the rule that makes each (never matching: "(?!)")
+TINY_MODELS = "|".join(re.escape(m) for m in MODELS if model_kind(config["models"][m]) == "tiny") or "(?!)"
+GGUF_MODELS = "|".join(re.escape(m) for m in MODELS if model_kind(config["models"][m]) == "gguf") or "(?!)"
 PROBE = config["probe"]
 CONFIGS = list(PROBE["configs"])
 SAMPLER = PROBE["sampler"]
 DIAGNOSE = config["diagnose"]["configs"]
+ATTRIBUTION = config.get("attribution") or {"models": [], "configs": []}  # the kernel-swap attribution
 FIGURES = config["figures"]
 # conda: paths in an included file are relative to that file (rules/), hence "../"
 ENV = f"../envs/rpa-{config['env']}.yaml"
@@ -39,8 +44,13 @@ def model_path(wildcards):
 
 
 def model_files(name):
-    """File dependency on a model built here (none for a path or hub id)."""
-    return [f"{R}/models/{name}/config.json"] if "tiny" in config["models"][name] else []
+    """File dependency on a model built or converted here (none for a path or hub id)."""
+    return [f"{R}/models/{name}/config.json"] if model_kind(config["models"][name]) != "path" else []
+
+
+def model_prompts(wildcards):
+    """The prompts file of the model's probe task, or nothing (the built-in prompts)."""
+    return [f"{R}/prompts/{wildcards.model}.jsonl"] if prompts_task(config, wildcards.model) else []
 
 
 def model_input(wildcards):
@@ -72,8 +82,18 @@ def gpu_launch(count):
     return f"python -m rpa.workflow.gpus --count {count} -- " if count else ""
 
 
+def probe_cells():
+    """(model, configuration) of every probe cell: each model's own configurations."""
+    return [(m, c) for m in MODELS for c in model_configs(config, m)]
+
+
 def probe_summaries(wildcards=None):
-    return expand(f"{R}/probe/{{model}}/{{numerics}}/summary.json", model=MODELS, numerics=CONFIGS)
+    return [f"{R}/probe/{m}/{c}/summary.json" for m, c in probe_cells()]
+
+
+def figure_tokens(wildcards=None):
+    """The per-token tables the dlogp-vs-probability figure draws: its configurations each model ran."""
+    return [f"{R}/probe/{m}/{c}/tokens.csv" for m, c in probe_cells() if c in FIGURES["dlogp_vs_prob_configs"]]
 
 
 def diagnose_tables(wildcards=None):
@@ -87,6 +107,14 @@ def probe_tables(wildcards=None):
 def analysis_figures(wildcards=None):
     names = ["mismatch", "dlogp_vs_prob"] + (["layers"] if DIAGNOSE else [])  # no diagnosis, no layer figure
     return expand(f"{R}/figures/{{name}}.{FIGURES['format']}", name=names)
+
+
+def attribution_outputs(wildcards=None):
+    """The attribution's table and figure, where the config asks for one."""
+    if not (ATTRIBUTION["models"] and ATTRIBUTION["configs"]):
+        return []
+    return [f"{R}/tables/attribution.csv", f"{R}/tables/attribution.md", f"{R}/tables/attribution_ops.csv",
+            f"{R}/figures/attribution.{FIGURES['format']}"]
 
 
 def yaml_text(data):

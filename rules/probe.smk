@@ -18,7 +18,7 @@ rule write_probe_job:
         f"{R}/jobs/probe/{{model}}/{{numerics}}.yaml",
     params:
         text=lambda wc: yaml_text(probe_job(config, start_path(wc), wc.numerics, (probe_completions(wc) or [None])[0],
-                                            DEVICE)),
+                                            DEVICE, name=wc.model, prompts_file=(model_prompts(wc) or [None])[0])),
     shell:
         WRITE_TEXT
 
@@ -28,6 +28,7 @@ rule probe:
         model=start_input,
         parity=f"{R}/parity/{{model}}.json",
         completions=probe_completions,
+        prompts=model_prompts,
         job=f"{R}/jobs/probe/{{model}}/{{numerics}}.yaml",
     output:
         summary=f"{R}/probe/{{model}}/{{numerics}}/summary.json",
@@ -37,6 +38,8 @@ rule probe:
         launch=gpu_launch(GPU),
     log:
         f"{R}/logs/probe/{{model}}/{{numerics}}.log",
+    # the longest cells first among those ready: FP16 on a CPU without FP16 arithmetic is ~8x a BF16 cell
+    priority: lambda wc: 1 if PROBE["configs"][wc.numerics].get("precision") == "fp16" else 0
     conda:
         ENV
     resources:

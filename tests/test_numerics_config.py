@@ -14,7 +14,8 @@ def test_defaults_are_the_study_baseline():
     n = NumericsConfig.from_dict({})
     assert n.to_dict() == {"regions": "none", "precision": "bf16", "lm_head_fp32": False, "trainer_mode": "compute",
                          "device": "auto", "sampler_perturbation": None,
-                         "trainer_positions": "auto", "aligned_sides": "both"}  # the dose is off unless asked for
+                         "trainer_positions": "auto", "aligned_sides": "both",
+                         "trainer_attention": "stock"}  # the dose is off unless asked for
     assert n.vllm_kwargs() == {"dtype": "bfloat16"}
     assert NumericsConfig.from_dict({"regions": "rope,swiglu"}).to_dict()["regions"] == "rope,swiglu"
 

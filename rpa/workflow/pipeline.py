@@ -37,6 +37,55 @@ def _tiny_problem(spec: Any) -> str | None:
     return None
 
 
+def _gguf_problem(spec: Any) -> str | None:
+    """Why a ``models.<name>.gguf`` mapping cannot be converted (the file is located now: a
+    package not installed or a file not there is refused before any job starts)."""
+    from rpa.core.errors import UserError
+    from rpa.sides.convert import GgufSource
+
+    if not isinstance(spec, dict):
+        return "gguf must be a mapping of GgufSource fields (file, package, version, sha256)"
+    names = {f.name for f in fields(GgufSource)}
+    unknown = sorted(set(spec) - names)
+    if unknown:
+        return f"unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
+    try:
+        GgufSource(**spec).locate()
+    except (TypeError, UserError) as err:
+        return str(err)
+    return None
+
+
+def _model_probe_problems(config: dict[str, Any], name: str) -> list[str]:
+    from rpa.core.errors import UserError
+    from rpa.train.tasks import TaskSpec
+
+    problems = []
+    own = (config["models"][name].get("probe") or {}).get("configs")
+    if own is not None:
+        problems += [f"configs: {c!r} is not a name in probe.configs" for c in own if c not in config["probe"]["configs"]]
+        sampler = config["probe"]["sampler"]
+        if sampler not in own:
+            problems.append(f"configs: must include the sampler {sampler!r} (probe.sampler: its completions are the "
+                            f"tokens every configuration scores)")
+    try:
+        probe_options(config, name)
+    except (ValueError, TypeError) as err:
+        problems.append(str(err))
+    task = prompts_task(config, name)
+    if task is not None:
+        names = {f.name for f in fields(TaskSpec)}
+        unknown = sorted(set(task) - names)
+        if unknown:
+            problems.append(f"task: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        else:
+            try:
+                TaskSpec(**task)
+            except (TypeError, UserError) as err:
+                problems.append(f"task: {err}")
+    return problems
+
+
 def _options(cls: type, section: dict[str, Any]):
     """The dataclass ``cls`` of the options a config section names."""
     from rpa.core.fieldtypes import build
@@ -44,11 +93,60 @@ def _options(cls: type, section: dict[str, Any]):
     return build(cls, {f.name: section[f.name] for f in fields(cls) if f.name in section})
 
 
-def probe_options(config: dict[str, Any]):
-    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section."""
+MODEL_KINDS = ("tiny", "path", "gguf")
+"""What a ``models`` entry is: built here (``tiny``: :class:`~rpa.sides.tiny.TinySpec` fields),
+converted here from a GGUF file (``gguf``: :class:`~rpa.sides.convert.GgufSource` fields), or
+loaded where it is (``path``: a local directory or hub id)."""
+
+
+def model_kind(spec: dict[str, Any]) -> str:
+    """``tiny``, ``gguf`` or ``path``: the one kind key of a ``models`` entry (the schema requires one)."""
+    return next(k for k in MODEL_KINDS if k in spec)
+
+
+def model_configs(config: dict[str, Any], model: str) -> list[str]:
+    """The probe configurations ``model`` runs, in ``probe.configs`` order: its own
+    ``models.<name>.probe.configs`` where given (the tiny models of the main job keep only the
+    parity gate's and a few), else every one."""
+    own = (config["models"][model].get("probe") or {}).get("configs")
+    return [name for name in config["probe"]["configs"] if own is None or name in own]
+
+
+def model_probe(config: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The ``probe:`` section with the model's own ``models.<name>.probe`` options on top (a
+    real model samples longer completions from a task's prompts than the tiny ones)."""
+    own = dict(((config["models"].get(model) or {}).get("probe") or {}) if model else {})
+    own.pop("task", None)  # its prompts reach the probe as a prompts file (:func:`prompts_task`)
+    own.pop("configs", None)  # which configurations, not an option of each (:func:`model_configs`)
+    return {**config["probe"], **own}
+
+
+def prompts_task(config: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The task (TaskSpec fields) whose prompts ``model``'s probe samples from, or None (the
+    built-in prompts); ``num_prompts`` and ``seed`` default to the probe's ``prompts`` and ``seed``."""
+    task = ((config["models"][model].get("probe") or {}).get("task"))
+    if task is None:
+        return None
+    probe = model_probe(config, model)
+    return {"num_prompts": probe.get("prompts", 16), "seed": probe.get("seed", 0), **task}
+
+
+def prompts_flags(task: dict[str, Any]) -> str:
+    """``rpa prompts`` flags for a task mapping (TaskSpec fields, ``name`` as ``--task``)."""
+    return tiny_flags({("task" if k == "name" else k): v for k, v in task.items()})
+
+
+def gguf_flags(spec: dict[str, Any]) -> str:
+    """``rpa convert`` flags for a ``models.<name>.gguf`` mapping (``file`` as ``--gguf``)."""
+    return tiny_flags({("gguf" if k == "file" else k): v for k, v in spec.items()})
+
+
+def probe_options(config: dict[str, Any], model: str | None = None):
+    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section, with
+    ``model``'s own options on top (:func:`model_probe`)."""
     from rpa.measure.probe import ProbeOptions
 
-    return _options(ProbeOptions, config["probe"])
+    return _options(ProbeOptions, model_probe(config, model))
 
 
 def parity_options(config: dict[str, Any]):
@@ -71,18 +169,30 @@ def numerics_options(numerics: dict[str, Any], device: str) -> dict[str, Any]:
     return {**n, "sampler_mantissa_bits": bits}
 
 
-def probe_job(config: dict[str, Any], model: str, numerics: str, completions: str | None, device: str) -> dict:
-    """The ``rpa probe --config`` file of one probe cell: model, numerics, every probe option."""
+def probe_job(config: dict[str, Any], model: str, numerics: str, completions: str | None, device: str,
+              name: str | None = None, prompts_file: str | None = None) -> dict:
+    """The ``rpa probe --config`` file of one probe cell: model (``model`` is where it loads from,
+    ``name`` its entry in ``models``), numerics, every probe option (the model's own on top) and
+    the prompts file its task's prompts were written to."""
     import dataclasses
 
+    options = dataclasses.asdict(probe_options(config, name))
+    if prompts_file is not None:
+        options["prompts_file"] = prompts_file
     return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
-                 **dataclasses.asdict(probe_options(config)), "completions": completions})
+                 **options, "completions": completions})
 
 
 def diagnose_job(config: dict[str, Any], model: str, numerics: str, completions: str, device: str) -> dict:
     """The ``rpa diagnose --config`` file of one diagnosis cell."""
     return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
                  "sequences": config["diagnose"]["sequences"], "completions": completions})
+
+
+def attribution_job(config: dict[str, Any], model: str, numerics: str, completions: str, device: str) -> dict:
+    """The ``rpa attribute --config`` file of one attribution cell."""
+    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
+                 "sequences": config["attribution"]["sequences"], "completions": completions})
 
 
 def parity_job(config: dict[str, Any], model: str, device: str) -> dict:
@@ -100,6 +210,12 @@ def check_config(config: dict[str, Any]) -> None:
             problem = _tiny_problem(model["tiny"])
             if problem:
                 problems.append(f"models.{name}.tiny: {problem}")
+        if "gguf" in model:
+            problem = _gguf_problem(model["gguf"])
+            if problem:
+                problems.append(f"models.{name}.gguf: {problem}")
+        if model.get("probe"):
+            problems += [f"models.{name}.probe: {p}" for p in _model_probe_problems(config, name)]
     try:
         if not parse_regions(config["parity"]["regions"]):
             problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
@@ -122,7 +238,15 @@ def check_config(config: dict[str, Any]) -> None:
         probe_options(config)
     except (ValueError, TypeError) as err:
         problems.append(f"probe: {err}")
-    for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs")):
+    attribution = config.get("attribution") or {}
+    for name in attribution.get("models") or []:
+        if name not in (config.get("models") or {}):
+            problems.append(f"attribution.models: {name!r} is not a name in models")
+    for name in attribution.get("configs") or []:
+        if name in configs and _valid_numerics(configs[name]) and \
+                NumericsConfig.from_dict(configs[name]).precision != "bf16":
+            problems.append(f"attribution.configs: {name!r} is not a BF16 configuration (the swap is of BF16 kernels)")
+    for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs"), ("attribution", "configs")):
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
@@ -136,6 +260,14 @@ def check_config(config: dict[str, Any]) -> None:
         problems += _search_problems(config)
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
+
+
+def _valid_numerics(numerics: dict[str, Any]) -> bool:
+    try:
+        NumericsConfig.from_dict(numerics)
+    except NumericsConfigError:
+        return False
+    return True
 
 
 def tiny_flags(spec: dict[str, Any]) -> str:
@@ -160,9 +292,10 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 
 
 def model_location(config: dict[str, Any], name: str) -> str:
-    """Where a model of ``models`` is loaded from: built here (``tiny``) or its ``path``."""
+    """Where a model of ``models`` is loaded from: built or converted here (``tiny``, ``gguf``), or
+    its ``path``."""
     spec = config["models"][name]
-    return f"{config['results']}/models/{name}" if "tiny" in spec else spec["path"]
+    return spec["path"] if model_kind(spec) == "path" else f"{config['results']}/models/{name}"
 
 
 def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
