@@ -227,3 +227,20 @@ def test_fp32_attention_rounds_once_and_leaves_with_the_patch(tiny_dirs, arch):
         m32(ids).logits.float().sum().backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m32.parameters() if p.requires_grad)
     assert m16.config._attn_implementation == before
+
+
+def test_fp32_attention_masks_the_padding(tiny_dirs, arch):
+    """In a left-padded batch the pads are masked: what the pad positions hold cannot change a real
+    token's logits (bitwise). Registering the attention without its mask builder made transformers
+    build no mask at all, and the padding was attended."""
+    model = load(tiny_dirs[arch])
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 500, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    other = ids.clone()
+    other[0, :5] = torch.randint(3, 500, (5,), generator=g)  # other pad contents
+    with align_model(model, "all", attention_fp32=True), torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+        b = model(other, attention_mask=mask).logits
+    assert torch.equal(a[0, 5:], b[0, 5:]) and torch.equal(a[1], b[1])

@@ -248,10 +248,14 @@ def fp32_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
 
 
 def _register_fp32_attention() -> None:
-    """Make :func:`fp32_attention` known to transformers (once, on first use: no import-time registration)."""
+    """Make :func:`fp32_attention` known to transformers (once, on first use: no import-time
+    registration), with sdpa's mask builder: an implementation without one gets *no* mask at all
+    (``masking_utils`` exits early), and a left-padded batch would attend to its padding."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(FP32_ATTENTION, fp32_attention)
+    AttentionMaskInterface.register(FP32_ATTENTION, sdpa_mask)
 
 
 def _positions_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
