@@ -11,14 +11,26 @@ Verdicts are recomputed with each run's own thresholds (:func:`rpa.train.collaps
   largest step-1 mismatch (none if no cell is eligible: the JSON then says so).
 * **grid / ablation / lever**: one row per run and one per group (every axis but the seed):
   collapsed / runs with an exact (Clopper-Pearson) interval, unconfirmed runs, median collapse
-  step, final reward, and the mismatch and phantom-clip rate *before* the collapse (the mean
-  over the steps before the collapse step; all steps of a run that did not collapse).
+  step, final reward (smoothed) beside the raw terminal reward (mean of the last
+  :data:`rpa.train.collapse.TERMINAL_STEPS` logged rewards) and the runs that end in an
+  absorbing state (raw reward about 0 in groups without reward variance,
+  :func:`rpa.train.collapse.terminal_state`, reported whatever the rule says), and the mismatch
+  and phantom-clip rate *before* the collapse (the mean over the steps before the collapse
+  step; all steps of a run that did not collapse) and *before any drop* (also before the first
+  step whose raw reward dipped below the rule's level, :func:`rpa.train.collapse.first_dip_step`).
+  Every verdict is under the current rule (``rule_version``); ``summary_superseded`` marks a run
+  whose ``summary.json`` holds a verdict of an earlier rule that differs from it. Beside them,
+  the sensitivity companion: each group's collapsed (and unconfirmed) count under every
+  variation of :func:`rpa.train.collapse.sensitivity_settings` (per run: ``verdict_<variation>``).
 * **decision** (grid, and the lever stage, judged by the same rule): at each rung (``rung_axis`` label) the stock-BF16 reference "collapses
   naturally" when it collapses in at least ``min_reference_collapsed`` seeds, the control
   (FP32) in at most ``max_control_collapsed``, and, pooled over the paired (rung, seed) cells,
   the reference collapses more often than the control. Otherwise the outcome is "does not, up
   to" the largest pre-collapse mismatch and phantom-clip rate the reference reached, with the
-  exact upper bound on its collapse probability.
+  exact upper bound on its collapse probability. Each rung gets its own exact interval (the
+  pooled one assumes a single collapse probability across the rungs), and the statement says
+  what the rule can detect (:func:`rule_power`: the probability that it finds a true per-run
+  collapse rate of 30% or 50% at every rung, the control stable).
 """
 
 from __future__ import annotations
@@ -37,7 +49,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.train.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.train.collapse import (ABSORBING_MAX_REWARD, ABSORBING_MAX_REWARD_STD, RULE_VERSION,  # noqa: E402
+                                 TERMINAL_STEPS, CollapseThresholds, run_verdict, sensitivity,
+                                 sensitivity_settings, summary_superseded)
 from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH = "mismatch/mean_abs_dlogp"
@@ -47,6 +61,17 @@ RUN_SETTINGS = ("learning_rate", "temperature", "max_completion_length", "steps"
 label may have the same name): what the envelope reports."""
 FINAL_STEPS = 10
 """``final_entropy``: the mean policy entropy over a run's last this many logged steps."""
+SENSITIVITY_LABELS = tuple(label for label, _ in sensitivity_settings(CollapseThresholds()))
+POWER_RATES = (0.3, 0.5)
+"""True per-run collapse rates at which the decision statement gives the rule's power."""
+ENTROPY_BINS = 10
+"""Entropy-matched mismatch ratio: equal-width bins of log entropy over the steps of both arms."""
+
+
+def sensitivity_column(label: str) -> str:
+    """A run's verdict under one variation ("drop 0.4" -> verdict_drop_0.4, "persist /2" ->
+    verdict_persist_half), as in ``dose_runs.csv``."""
+    return "verdict_" + label.replace("/2", "half").replace(" ", "_")
 
 
 def _first(m: pd.DataFrame, key: str):
@@ -80,11 +105,18 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
             row.update({f"config_{k}": cfg.get(k) for k in RUN_SETTINGS})
             row.update({k: v.get(k) for k in ("verdict", "collapsed", "collapse_step", "unconfirmed_drop_step",
                                               "recovered_step", "grad_spikes", "steps", "peak_reward",
-                                              "final_reward", "reward_auc")})
+                                              "final_reward", "terminal_reward", "absorbing", "first_dip_step",
+                                              "reward_auc", "rule_version")})
+            row["summary_superseded"] = summary_superseded(summary, v)
+            thresholds = CollapseThresholds(**cfg["collapse"])
+            row.update({sensitivity_column(label): verdict for label, verdict in
+                        sensitivity(metrics, thresholds, summary).items()})
         if metrics:
             m = pd.DataFrame(metrics)
             stop = row.get("collapse_step") if row.get("collapsed") else None
             before = m[m["step"] < stop] if stop is not None else m
+            drop = min((s for s in (stop, row.get("first_dip_step")) if s is not None and pd.notna(s)), default=None)
+            before_drop = m[m["step"] < drop] if drop is not None else m
             row.update(step1_reward=_first(m, "reward"), step1_entropy=_first(m, "entropy"),
                        step1_mismatch=_first(m, MISMATCH), step1_phantom_clip=_first(m, PHANTOM),
                        initial_reward=float(m["reward"].head(reward_steps).mean()),
@@ -92,13 +124,70 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
                        pre_collapse_mismatch=_mean(before, MISMATCH),
                        max_pre_collapse_mismatch=_max(before, MISMATCH),
                        pre_collapse_phantom_clip=_mean(before, PHANTOM),
-                       max_pre_collapse_phantom_clip=_max(before, PHANTOM))
+                       max_pre_collapse_phantom_clip=_max(before, PHANTOM),
+                       max_pre_drop_mismatch=_max(before_drop, MISMATCH),
+                       max_pre_drop_phantom_clip=_max(before_drop, PHANTOM))
             curves.append(m.assign(**c["labels"], seed=c["seed"]))
         rows.append(row)
     return pd.DataFrame(rows), (pd.concat(curves, ignore_index=True) if curves else pd.DataFrame())
 
 
 # ------------------------------------------------------------------------------ pilot
+
+
+def paired_pilot(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """The pilot of a paired rule (``kind: paired``): one row per rung (every axis but the arm and the
+    seed) with the control's (FP32's) reward gain and stability and the reference's (stock BF16's)
+    step-1 mismatch; ``eligible`` = the control learns -- the mean reward of the last ``learn_fraction``
+    of its logged steps (at least one) exceeds that of the first by at least ``min_gain`` -- and stays stable
+    (finished with status ok, no collapse verdict); ``chosen`` = the eligible rung whose reference has
+    the largest step-1 mismatch."""
+    arm, ref, ctl = rule.get("arm_axis", "arm"), rule.get("reference_arm", "none"), rule.get("control_arm", "fp32")
+    fraction, gain_needed = rule.get("learn_fraction", 0.25), rule.get("min_gain", 0.05)
+    rung_axes = [c for c in runs.columns if c not in (arm, "seed", "cell", "state", "status", "wall_s")
+                 and c in rule.get("rung_axes", [])]
+    rows = []
+    for key, g in runs.groupby(rung_axes, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        r, c = g[g[arm] == ref], g[g[arm] == ctl]
+        row = {**dict(zip(rung_axes, key)), "reference_cell": r["cell"].iloc[0] if len(r) else None,
+               "control_cell": c["cell"].iloc[0] if len(c) else None}
+        done = len(r) and len(c) and (r["state"] == "finished").all() and (c["state"] == "finished").all()
+        if done:
+            cell = c["cell"].iloc[0]
+            m = curves[curves["cell"] == cell].sort_values("step") if "cell" in curves else pd.DataFrame()
+            n = max(1, round(len(m) * fraction))  # several updates per generation log fewer steps
+            first, last = (float(m["reward"].head(n).mean()), float(m["reward"].tail(n).mean())) if len(m) else (None, None)
+            stable = bool((c["status"] == "ok").all() and not c["collapsed"].fillna(False).astype(bool).any())
+            row.update(control_first_reward=first, control_last_reward=last,
+                       control_gain=None if first is None else last - first, control_stable=stable,
+                       control_step1_mismatch=float(c["step1_mismatch"].iloc[0]),
+                       reference_step1_mismatch=float(r["step1_mismatch"].iloc[0]),
+                       reference_step1_entropy=float(r["step1_entropy"].iloc[0]),
+                       reference_initial_reward=float(r["initial_reward"].iloc[0]),
+                       wall_s=float(g["wall_s"].sum()))
+            row["eligible"] = bool(stable and row["control_gain"] is not None and row["control_gain"] >= gain_needed)
+        else:
+            row["eligible"] = False
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    out["chosen"] = False
+    choice = {"rule": {"kind": "paired", "arm_axis": arm, "reference_arm": ref, "control_arm": ctl,
+                       "learn_fraction": fraction, "min_gain": gain_needed, "rung_axes": rung_axes},
+              "rungs": int(len(out)), "finished": int(out.get("control_stable", pd.Series(dtype=object)).notna().sum()),
+              "eligible": int(out["eligible"].sum())}
+    unfinished = int((runs["state"] != "finished").sum())
+    if unfinished:
+        choice.update(chosen=None, unfinished=unfinished)  # the rule is over the whole pilot
+        return out, choice
+    if out["eligible"].any():
+        best = out[out["eligible"]]["reference_step1_mismatch"].idxmax()
+        out.loc[best, "chosen"] = True
+        choice["chosen"] = "/".join(str(out.loc[best, a]) for a in rung_axes)
+        choice["chosen_row"] = dict(out.loc[best].items())
+    else:
+        choice["chosen"] = None
+    return out, choice
 
 
 def pilot(runs: pd.DataFrame, rule: dict) -> tuple[pd.DataFrame, dict]:
@@ -161,13 +250,67 @@ def groups(runs: pd.DataFrame, axes: list[str], confidence: float) -> pd.DataFra
                      "median_collapse_step": float(done.loc[collapsed, "collapse_step"].median()) if k else None,
                      "final_reward": done["final_reward"].mean() if n else None,
                      "final_reward_sd": done["final_reward"].std() if n > 1 else None,
+                     "terminal_reward": done["terminal_reward"].mean() if n and "terminal_reward" in done else None,
+                     "absorbing": int(done["absorbing"].fillna(False).astype(bool).sum())
+                     if n and "absorbing" in done else 0,
                      "reward_auc": done["reward_auc"].mean() if n and "reward_auc" in done else None,
                      "entropy": done["entropy"].mean() if n else None,
                      "pre_collapse_mismatch": done["pre_collapse_mismatch"].mean() if n else None,
                      "max_pre_collapse_mismatch": done["max_pre_collapse_mismatch"].max() if n else None,
                      "pre_collapse_phantom_clip": done["pre_collapse_phantom_clip"].mean() if n else None,
-                     "max_pre_collapse_phantom_clip": done["max_pre_collapse_phantom_clip"].max() if n else None})
+                     "max_pre_collapse_phantom_clip": done["max_pre_collapse_phantom_clip"].max() if n else None,
+                     "max_pre_drop_mismatch": done["max_pre_drop_mismatch"].max()
+                     if n and "max_pre_drop_mismatch" in done else None,
+                     "rule_version": RULE_VERSION})
     return pd.DataFrame(rows)
+
+
+def sensitivity_groups(runs: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
+    """The sensitivity companion: per group, finished runs, collapsed and unconfirmed under the
+    run's own thresholds and (``collapsed[<variation>]``, ``unconfirmed[<variation>]``) under each
+    variation of :func:`rpa.train.collapse.sensitivity_settings`."""
+    rows = []
+    for key, g in runs.groupby(axes, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        done = g[g["state"] == "finished"]
+        row = {**dict(zip(axes, key)), "finished": len(done),
+               "collapsed": int((done.get("verdict") == "collapsed").sum()) if len(done) else 0,
+               "unconfirmed": int((done.get("verdict") == "unconfirmed").sum()) if len(done) else 0}
+        for label in SENSITIVITY_LABELS:
+            v = done.get(sensitivity_column(label), pd.Series(dtype=object))
+            row[f"collapsed[{label}]"] = int((v == "collapsed").sum())
+            row[f"unconfirmed[{label}]"] = int((v == "unconfirmed").sum())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _sensitivity_markdown(sens: pd.DataFrame, axes: list[str]) -> str:
+    def cell(k, u, n):
+        return f"{k}/{n}" + (f" (+{u} unc.)" if u else "")
+
+    show = sens[axes].copy()
+    show["own rule"] = [cell(k, u, n) for k, u, n in zip(sens["collapsed"], sens["unconfirmed"], sens["finished"])]
+    for label in SENSITIVITY_LABELS:
+        show[label] = [cell(k, u, n) for k, u, n in
+                       zip(sens[f"collapsed[{label}]"], sens[f"unconfirmed[{label}]"], sens["finished"])]
+    return ("### Sensitivity of the verdicts\n\nCollapsed / finished runs per group (and unconfirmed drops) under "
+            "each run's own thresholds and under each variation of them (`rpa.train.collapse.sensitivity_settings`: "
+            "drop fraction 0.4/0.5/0.6 at the run's persistence window; the run's drop fraction at half and twice "
+            "that window); per run: the `verdict_*` columns of the CSV.\n\n" + show.to_markdown(index=False) + "\n")
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(max(k, 0), n + 1))
+
+
+def rule_power(rate: float, need: int = 3, seeds: int = 4, rungs: int = 3) -> float:
+    """The probability that the decision rule says "collapses naturally" when the reference
+    collapses with a true per-run probability ``rate`` at every one of ``rungs`` rungs of
+    ``seeds`` seeds each and the control never does: at least one rung with ``need`` or more
+    reference collapses, rungs independent (with the control stable, the pooled condition
+    follows)."""
+    return 1 - (1 - binomial_tail(need, seeds, rate)) ** rungs
 
 
 DECIDED_STAGES = ("grid", "lever")
@@ -187,6 +330,8 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
         r, c = g[g[arm] == ref], g[g[arm] == ctl]
         entry = {"rung": label, "reference": f"{int(r.collapsed.sum())}/{len(r)}",
                  "control": f"{int(c.collapsed.sum())}/{len(c)}",
+                 "reference_interval": list(clopper_pearson(int(r.collapsed.sum()), len(r), confidence)),
+                 "control_interval": list(clopper_pearson(int(c.collapsed.sum()), len(c), confidence)),
                  "meets": bool(int(r.collapsed.sum()) >= need and int(c.collapsed.sum()) <= allow)}
         rungs.append(entry)
         if entry["meets"]:
@@ -204,7 +349,16 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
                     "min_reference_collapsed": need, "max_control_collapsed": allow, "confidence": confidence},
            "rungs": rungs, "pooled": pooled, "reference_collapsed": k, "reference_runs": n,
            "reference_collapse_rate_interval": [low, high]}
-    per_rung = "; ".join(f"{e['rung']}: {ref} {e['reference']}, {ctl} {e['control']}" for e in rungs)
+    seeds = max((int(e["reference"].split("/")[1]) for e in rungs), default=0)
+    out["power"] = {"seeds_per_rung": seeds, "rungs": len(rungs), "min_reference_collapsed": need,
+                    "rates": {f"{rate:g}": rule_power(rate, need, seeds, len(rungs)) for rate in POWER_RATES}}
+    power = ", ".join(f"{100 * rate:.0f}% with probability {100 * out['power']['rates'][f'{rate:g}']:.0f}%"
+                      for rate in POWER_RATES)
+    power_text = (f" What the rule can detect: with {seeds} seeds a rung and {len(rungs)} rung{'s' if len(rungs) != 1 else ''}, it finds a true "
+                  f"per-run collapse rate of {power} (the control stable)." if seeds and rungs else "")
+    per_rung = "; ".join(f"{e['rung']}: {ref} {e['reference']} (exact {100 * confidence:.0f}% interval "
+                         f"{e['reference_interval'][0]:.2f}-{e['reference_interval'][1]:.2f}), {ctl} {e['control']}"
+                         for e in rungs)
     unfinished = int((runs["state"] != "finished").sum())
     if unfinished:  # the rule is over the whole grid: no verdict from a part of it
         out.update(outcome="incomplete", unfinished=unfinished)
@@ -217,18 +371,27 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
         out["statement"] = (f"Stock BF16 ({ref}) collapses naturally at {', '.join(map(str, collapsing))}: "
                             f"{per_rung}; "
                             f"pooled over {pooled['pairs']} paired cells {ref} {pooled['reference_collapsed']} vs "
-                            f"{ctl} {pooled['control_collapsed']}.")
+                            f"{ctl} {pooled['control_collapsed']}.{power_text}")
     else:
         mismatch, clip = ref_runs["max_pre_collapse_mismatch"].max(), ref_runs["max_pre_collapse_phantom_clip"].max()
+        pre_drop = ref_runs["max_pre_drop_mismatch"].max() if "max_pre_drop_mismatch" in ref_runs else mismatch
         entropy = ref_runs["entropy"].mean()
         out.update(outcome="does not collapse naturally", max_mismatch=None if pd.isna(mismatch) else float(mismatch),
+                   max_pre_drop_mismatch=None if pd.isna(pre_drop) else float(pre_drop),
                    max_phantom_clip=None if pd.isna(clip) else float(clip),
                    mean_entropy=None if pd.isna(entropy) else float(entropy))
-        out["statement"] = (f"Stock BF16 ({ref}) does not collapse naturally at this scale: {k}/{n} runs collapsed "
-                            f"(exact {100 * confidence:.0f}% interval for its collapse probability "
-                            f"{low:.2f}-{high:.2f}), {ctl} {pooled['control_collapsed']}/{pooled['pairs']} paired; "
-                            f"up to a pre-collapse mismatch of {mismatch:.3g} (mean |dlogp|, step maximum) and a "
-                            f"phantom-clip rate of {clip:.3g}, at a mean policy entropy of {entropy:.2f} nats/token.")
+        drop_text = ""
+        if pd.notna(pre_drop) and pd.notna(mismatch) and pre_drop < mismatch:
+            at = ref_runs.loc[ref_runs["max_pre_collapse_mismatch"].idxmax()]
+            drop_text = (f"; {pre_drop:.3g} before any drop: the larger value is from {at['cell']}, after its raw "
+                         f"reward dipped below the rule's level at step {int(at['first_dip_step'])}")
+        out["statement"] = (f"Stock BF16 ({ref}) does not collapse naturally at this scale: per rung, {per_rung}; "
+                            f"pooled, {k}/{n} runs collapsed (exact {100 * confidence:.0f}% interval "
+                            f"{low:.2f}-{high:.2f} if the collapse probability were one and the same at every rung), "
+                            f"{ctl} {pooled['control_collapsed']}/{pooled['pairs']} paired; "
+                            f"up to a pre-collapse mismatch of {mismatch:.3g} (mean |dlogp|, step maximum{drop_text}) "
+                            f"and a phantom-clip rate of {clip:.3g}, at a mean policy entropy of {entropy:.2f} "
+                            f"nats/token.{power_text}")
     return out
 
 
@@ -251,10 +414,59 @@ def sign_test(k: int, n: int) -> float | None:
     return min(1.0, 2 * tail)
 
 
-def comparison(runs: pd.DataFrame, rule: dict) -> dict:
+def entropy_matched_ratio(arm: pd.DataFrame, ref: pd.DataFrame, bins: int = ENTROPY_BINS) -> float | None:
+    """The treatment's mismatch relative to the reference's at the same policy entropy: the steps
+    of both (columns ``entropy`` and the mismatch, positive) in ``bins`` equal-width bins of log
+    entropy over their pooled range; per bin holding both, the difference of the mean log
+    mismatch; the weighted mean of those (weight: the smaller of the two step counts),
+    exponentiated. Mismatch tracks entropy, so a raw mean ratio compares entropies as much as
+    numerics; None without a bin holding both."""
+    frames = []
+    for is_arm, m in ((1, arm), (0, ref)):
+        m = m[(m[MISMATCH] > 0) & (m["entropy"] > 0)]
+        frames.append(pd.DataFrame({"lm": np.log(m[MISMATCH].astype(float)), "lh": np.log(m["entropy"].astype(float)),
+                                    "arm": is_arm}))
+    x = pd.concat(frames, ignore_index=True)
+    if x.empty or x["arm"].nunique() < 2:
+        return None
+    x["bin"] = pd.cut(x["lh"], bins)
+    g = x.groupby(["bin", "arm"], observed=True)["lm"].agg(["mean", "size"]).unstack().dropna()
+    if g.empty:
+        return None
+    w = np.minimum(g[("size", 0)], g[("size", 1)])
+    return float(np.exp(((g[("mean", 1)] - g[("mean", 0)]) * w).sum() / w.sum()))
+
+
+def mismatch_ratios(curves: pd.DataFrame, rule: dict) -> dict:
+    """Per rung, the treatment's (aligned) in-training mismatch relative to the reference's:
+    at step 1 (same warm start, same weights: the numerics alone), per seed, and at matched
+    entropy (:func:`entropy_matched_ratio`, steps of every seed pooled); beside the means over
+    the steps, which differ as much by how far each arm's policy moved as by its numerics."""
+    arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
+    ref, treat = rule.get("reference_arm", "none"), rule.get("treatment_arm", "all")
+    if curves.empty or arm not in curves or MISMATCH not in curves or "entropy" not in curves:
+        return {}
+    out = {}
+    for label, g in curves.groupby(rung, sort=False) if rung in curves else [(None, curves)]:
+        a, r = g[g[arm] == treat], g[g[arm] == ref]
+        if a.empty or r.empty:
+            continue
+        step1 = {}
+        for seed in sorted(set(a["seed"]) & set(r["seed"])):
+            x, y = a[(a["seed"] == seed)].sort_values("step"), r[(r["seed"] == seed)].sort_values("step")
+            if len(x) and len(y) and x["step"].iloc[0] == y["step"].iloc[0] and y[MISMATCH].iloc[0] > 0:
+                step1[int(seed)] = float(x[MISMATCH].iloc[0] / y[MISMATCH].iloc[0])
+        out[str(label)] = {"step1": step1, "entropy_matched": entropy_matched_ratio(a, r),
+                           "mean_over_steps": float(a[MISMATCH].mean() / r[MISMATCH].mean())}
+    return out
+
+
+def comparison(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame | None = None) -> dict:
     """Beside the decision, not part of it (exploratory): collapses of the treatment (aligned) arm
-    against the reference (stock BF16) with Fisher's exact p, and, paired by (rung, seed), in how
-    many cells the reference's reward AUC is below the control's and the treatment's (sign test)."""
+    against the reference (stock BF16) with Fisher's exact p; paired by (rung, seed), in how
+    many cells the reference's reward AUC is below the control's and the treatment's (sign test);
+    and, from the per-step ``curves``, the treatment's mismatch relative to the reference's at
+    step 1 and at matched entropy (:func:`mismatch_ratios`)."""
     arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
     ref, ctl, treat = rule.get("reference_arm", "none"), rule.get("control_arm", "fp32"), rule.get("treatment_arm", "all")
     done = runs[runs["state"] == "finished"]
@@ -264,6 +476,8 @@ def comparison(runs: pd.DataFrame, rule: dict) -> dict:
            "treatment": [int(t.sum()), len(t)],
            "fisher_p": fisher_exact(int(t.sum()), len(t), int(r.sum()), len(r)) if len(r) and len(t) else None,
            "reward_auc_paired": {}}
+    if curves is not None:
+        out["mismatch_ratio"] = mismatch_ratios(curves, rule)
     if "reward_auc" not in done or rung not in done:
         return out
     auc = done.pivot_table(index=[rung, "seed"], columns=arm, values="reward_auc", aggfunc="first")
@@ -277,9 +491,122 @@ def comparison(runs: pd.DataFrame, rule: dict) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ the grid's questions (issue 31)
+
+
+def fisher_one_sided(k1: int, n1: int, k2: int, n2: int) -> float:
+    """One-sided Fisher exact p that group 1 collapses *more often* than group 2 (P[X >= k1] under
+    the hypergeometric of the margins)."""
+    total, ks = n1 + n2, k1 + k2
+
+    def prob(a: int) -> float:
+        return math.comb(n1, a) * math.comb(n2, ks - a) / math.comb(total, ks)
+
+    return min(1.0, sum(prob(a) for a in range(k1, min(ks, n1) + 1)))
+
+
+def signed_rank_p(differences: list[float]) -> float | None:
+    """Exact two-sided Wilcoxon signed-rank p of paired differences (zeros dropped, average ranks
+    for ties; the sign flips enumerated, so exact for the handful of seeds a CPU grid has)."""
+    d = [x for x in differences if x != 0 and not math.isnan(x)]
+    n = len(d)
+    if n == 0:
+        return None
+    order = sorted(range(n), key=lambda i: abs(d[i]))
+    ranks = [0.0] * n
+    i = 0
+    while i < n:  # average ranks over ties of |d|
+        j = i
+        while j + 1 < n and abs(d[order[j + 1]]) == abs(d[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    observed = sum(r for r, x in zip(ranks, d) if x > 0)
+    mean = sum(ranks) / 2
+    extreme = abs(observed - mean)
+    count = 0
+    for mask in range(1 << n):
+        w = sum(ranks[b] for b in range(n) if mask >> b & 1)
+        count += abs(w - mean) >= extreme - 1e-12
+    return count / (1 << n)
+
+
+def fisher_power(n_a: int, n_b: int, rate_a: float, rate_b: float, alpha: float) -> float:
+    """Power of the one-sided Fisher test (a collapses more often than b) at true rates ``rate_a``,
+    ``rate_b`` with ``n_a``, ``n_b`` runs: the exact sum over every outcome."""
+    power = 0.0
+    for k1 in range(n_a + 1):
+        p1 = math.comb(n_a, k1) * rate_a ** k1 * (1 - rate_a) ** (n_a - k1)
+        for k2 in range(n_b + 1):
+            p2 = math.comb(n_b, k2) * rate_b ** k2 * (1 - rate_b) ** (n_b - k2)
+            if fisher_one_sided(k1, n_a, k2, n_b) < alpha:
+                power += p1 * p2
+    return power
+
+
+def smallest_detectable_rate(n: int, alpha: float, power: float = 0.8, control_rate: float = 0.0) -> float | None:
+    """The smallest true collapse rate of one arm that the one-sided Fisher test against ``n`` control
+    runs (true rate ``control_rate``) detects with at least ``power``, on a 1% grid (None: none up to 1)."""
+    for step in range(1, 101):
+        rate = step / 100
+        if fisher_power(n, n, rate, control_rate, alpha) >= power:
+            return rate
+    return None
+
+
+def signed_rank_power(n: int, effect: float, alpha: float, draws: int = 2000, seed: int = 0) -> float:
+    """Power of the exact two-sided signed-rank test on ``n`` paired differences drawn normal with a
+    mean of ``effect`` standard deviations (a seeded Monte Carlo estimate)."""
+    rng = np.random.default_rng(seed)
+    hits = sum(1 for _ in range(draws) if (signed_rank_p(list(rng.normal(effect, 1.0, n))) or 1.0) < alpha)
+    return hits / draws
+
+
+def smallest_detectable_effect(n: int, alpha: float, power: float = 0.8) -> float | None:
+    """The smallest mean paired difference (in standard deviations of the differences) the signed-rank
+    test on ``n`` seeds detects with at least ``power`` (0.1 grid; None: none up to 3 sd)."""
+    for step in range(1, 31):
+        effect = step / 10
+        if signed_rank_power(n, effect, alpha) >= power:
+            return effect
+    return None
+
+
+def questions(runs: pd.DataFrame, rule: dict) -> dict:
+    """Each pre-registered question of the grid (``rule["questions"]``): does arm ``a`` collapse more
+    often than arm ``b`` (one-sided Fisher exact on the collapse counts, at ``alpha``) -- the verdict --
+    and, beside it, the reward AUC of ``a`` minus ``b`` paired by seed (exact signed-rank, two-sided)."""
+    arm, alpha = rule.get("arm_axis", "arm"), rule.get("alpha", 0.05)
+    done = runs[runs["state"] == "finished"].assign(collapsed=lambda d: d["collapsed"].fillna(False).astype(bool))
+    unfinished = int((runs["state"] != "finished").sum())
+    out = {"alpha": alpha, "unfinished": unfinished, "questions": {}}
+    for name, q in (rule.get("questions") or {}).items():
+        a, b = done[done[arm] == q["a"]], done[done[arm] == q["b"]]
+        ka, kb = int(a.collapsed.sum()), int(b.collapsed.sum())
+        entry = {"question": q.get("question", name), "a": q["a"], "b": q["b"], "a_collapsed": [ka, len(a)],
+                 "b_collapsed": [kb, len(b)],
+                 "a_interval": list(clopper_pearson(ka, len(a))), "b_interval": list(clopper_pearson(kb, len(b)))}
+        entry["fisher_p"] = fisher_one_sided(ka, len(a), kb, len(b)) if len(a) and len(b) else None
+        auc = done[done[arm].isin([q["a"], q["b"]])].pivot_table(index="seed", columns=arm, values="reward_auc",
+                                                                 aggfunc="first")
+        if q["a"] in auc and q["b"] in auc:
+            pairs = auc[[q["a"], q["b"]]].dropna()
+            diff = (pairs[q["a"]] - pairs[q["b"]]).tolist()
+            entry["reward_auc"] = {"pairs": len(diff), "mean_difference": float(np.mean(diff)) if diff else None,
+                                   "a_lower": int(sum(x < 0 for x in diff)), "signed_rank_p": signed_rank_p(diff)}
+        if unfinished:
+            entry["answer"] = "grid incomplete"
+        else:
+            entry["answer"] = "yes" if entry["fisher_p"] is not None and entry["fisher_p"] < alpha else "no"
+        out["questions"][name] = entry
+    return out
+
+
 def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
     """What the reference (stock BF16) arm's finished runs explored: models, settings, step-1 and
-    final entropy, the largest mismatch and phantom-clip rate before any collapse."""
+    final entropy, the largest mismatch and phantom-clip rate before any collapse and before any
+    drop (:func:`rpa.train.collapse.first_dip_step`)."""
     arm, ref = rule.get("arm_axis", "arm"), rule.get("reference_arm", "none")
     done = runs[(runs["state"] == "finished") & (runs[arm] == ref)]
     models = sorted({c["model"] for c in manifest["cells"] if c["cell"] in set(done["cell"])})
@@ -296,7 +623,9 @@ def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
             "final_entropy": [span("final_entropy", "min"), span("final_entropy", "max")],
             "mean_entropy": span("entropy", "mean"),
             "max_pre_collapse_mismatch": span("max_pre_collapse_mismatch", "max"),
-            "max_pre_collapse_phantom_clip": span("max_pre_collapse_phantom_clip", "max")}
+            "max_pre_collapse_phantom_clip": span("max_pre_collapse_phantom_clip", "max"),
+            "max_pre_drop_mismatch": span("max_pre_drop_mismatch", "max"),
+            "max_pre_drop_phantom_clip": span("max_pre_drop_phantom_clip", "max")}
 
 
 # ------------------------------------------------------------------------------ output
@@ -311,6 +640,30 @@ def _figure_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
         ax.annotate(r["cell"].split("/", 1)[1].rsplit("/", 1)[0], (r["step1_entropy"], r["step1_mismatch"]),
                     fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set(xlabel="step-1 entropy (nats/token)", ylabel="step-1 mean |dlogp|", yscale="log",
+           title=f"{label}: pilot (red: eligible, star: chosen)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+
+
+def _cells(curves: pd.DataFrame, manifest: dict) -> list[str]:
+    """The cell of each curve row (its labels and seed, matched against the manifest's cells)."""
+    by_key = {(tuple(sorted(c["labels"].items())), c["seed"]): c["cell"] for c in manifest["cells"]}
+    names = list(manifest["axes"])
+    return [by_key.get((tuple(sorted((a, row[a]) for a in names)), row["seed"])) for _, row in curves.iterrows()]
+
+
+def _figure_paired_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    d = table.dropna(subset=["control_gain", "reference_step1_mismatch"]) if "control_gain" in table else table.iloc[:0]
+    for _, r in d.iterrows():
+        ax.scatter(r["control_gain"], r["reference_step1_mismatch"], marker="*" if r["chosen"] else "o",
+                   s=120 if r["chosen"] else 30, color="C3" if r["eligible"] else "C0")
+        ax.annotate(str(r.get("reference_cell", "")).split("/", 1)[-1].rsplit("/", 2)[0],
+                    (r["control_gain"], r["reference_step1_mismatch"]), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set(xlabel="control (FP32) reward gain: last - first steps", ylabel="stock BF16 step-1 mean |dlogp|",
            title=f"{label}: pilot (red: eligible, star: chosen)")
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -357,6 +710,16 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
     plt.close(fig)
 
 
+def _g3(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _range(values: list) -> str:
+    values = [v for v in values if v is not None]
+    return "n/a" if not values else f"{min(values):.2f}" if min(values) == max(values) else \
+        f"{min(values):.2f}-{max(values):.2f}"
+
+
 def _clean(value):
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
@@ -384,7 +747,18 @@ def main(argv: list[str] | None = None) -> int:
     tables.mkdir(parents=True, exist_ok=True)
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     stem = tables / f"search_{args.stage}"
-    if args.stage == "pilot":
+    if args.stage == "pilot" and rule.get("kind") == "paired":
+        table, summary = paired_pilot(runs, rule, curves.assign(cell=_cells(curves, manifest)) if len(curves)
+                                      else curves)
+        shown = table
+        _figure_paired_pilot(table, args.figure, manifest["label"])
+        r = summary["rule"]
+        text = (f"### {manifest['label']}: pilot\n\nRule (written in the config before the pilot ran): a rung is "
+                f"eligible when `{r['control_arm']}` learns -- the mean reward of the last {r['learn_fraction']:g} of its "
+                f"logged steps exceeds that of the first {r['learn_fraction']:g} by at least {r['min_gain']} -- and stays stable "
+                f"(finished, no collapse); chosen = the eligible rung whose `{r['reference_arm']}` run has the largest "
+                f"step-1 mean |dlogp|.\n\nChosen: **{summary['chosen'] or ('pilot unfinished' if summary.get('unfinished') else 'no rung is eligible')}**\n\n")
+    elif args.stage == "pilot":
         table, summary = pilot(runs, rule)
         cols = [c for c in [*manifest["axes"], "seed", "state", "step1_reward", "initial_reward", "step1_entropy",
                             "step1_mismatch", "step1_phantom_clip", "eligible", "chosen", "wall_s"] if c in table]
@@ -400,7 +774,15 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"groups": per_group.to_dict(orient="records")}
         if args.stage in DECIDED_STAGES:
             rule = manifest.get("decision") or {}
-            summary.update(decision=decision(runs, rule), comparison=comparison(runs, rule), envelope=envelope(runs, rule, manifest))
+            summary.update(decision=decision(runs, rule), comparison=comparison(runs, rule, curves),
+                           envelope=envelope(runs, rule, manifest))
+            if rule.get("questions"):
+                summary["questions"] = questions(runs, rule)
+        sens = sensitivity_groups(runs, axes)
+        summary["sensitivity"] = sens.to_dict(orient="records")
+        ended = runs[runs.get("absorbing", pd.Series(False, index=runs.index)).fillna(False).astype(bool)]
+        summary["absorbing"] = [{"cell": r["cell"], "verdict": r["verdict"], "terminal_reward": r["terminal_reward"],
+                                 "final_reward": r["final_reward"]} for _, r in ended.iterrows()]
         table = runs
         shown = per_group
         _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {})
@@ -408,12 +790,42 @@ def main(argv: list[str] | None = None) -> int:
         if "decision" in summary:
             text += (f"**Decision** (rule fixed in the config before the {args.stage} ran): "
                      f"{summary['decision']['statement']}\n\n")
+        for name, q in (summary.get("questions") or {}).get("questions", {}).items():
+            auc = q.get("reward_auc") or {}
+            text += (f"**{name}** {q['question']} `{q['a']}` collapsed {q['a_collapsed'][0]}/{q['a_collapsed'][1]} "
+                     f"vs `{q['b']}` {q['b_collapsed'][0]}/{q['b_collapsed'][1]} (one-sided Fisher p = "
+                     f"{q['fisher_p'] if q['fisher_p'] is None else format(q['fisher_p'], '.3g')}): "
+                     f"**{q['answer']}**; reward AUC `{q['a']}` - `{q['b']}` paired by seed: mean "
+                     f"{auc.get('mean_difference') if auc.get('mean_difference') is None else format(auc['mean_difference'], '.3g')}, "
+                     f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}.\n\n")
         confidence = (manifest.get("decision") or {}).get("confidence", 0.95)
+        absorbing = "; ".join(f"{a['cell']} (verdict {a['verdict']}, raw terminal reward {a['terminal_reward']:.3g}, "
+                              f"smoothed final reward {a['final_reward']:.3g})" for a in summary["absorbing"]) or "none"
+        text += (f"**Absorbing end states** (raw reward of the last {TERMINAL_STEPS} logged steps at most "
+                 f"{ABSORBING_MAX_REWARD:g} in groups whose reward spread averages at most {ABSORBING_MAX_REWARD_STD:g}: "
+                 f"no advantage, no gradient; reported whatever the collapse rule says): {absorbing}.\n\n")
+        ratios = (summary.get("comparison") or {}).get("mismatch_ratio") or {}
+        if ratios:
+            c = summary["comparison"]
+            text += (f"**Mismatch, `{c['treatment_arm']}` relative to `{c['reference_arm']}`** (beside the rule; mismatch "
+                     "tracks the policy's entropy, so a ratio of means over the steps compares how far each arm's policy "
+                     "moved as much as its numerics): " + "; ".join(
+                         f"{rung}: at step 1 (same weights) {_range(list(r['step1'].values()))} per seed, at matched "
+                         f"entropy {_g3(r['entropy_matched'])}, mean over the steps {_g3(r['mean_over_steps'])}"
+                         for rung, r in ratios.items()) + ".\n\n")
+        text += (f"Verdicts under collapse rule {RULE_VERSION} (`rpa.train.collapse.RULE_VERSION`), recomputed from each "
+                 f"run's metric log; `summary_superseded` in the CSV marks a run whose `summary.json` holds an earlier "
+                 f"rule's different verdict ({int(runs.get('summary_superseded', pd.Series(dtype=bool)).fillna(False).sum())} "
+                 f"here).\n\n")
         text += (f"Per group: collapsed / finished runs with an exact {100 * confidence:.0f}% interval on the collapse rate; "
-                 "mismatch and phantom-clip rate before the collapse (all steps of runs that did not collapse).\n\n")
+                 f"final reward smoothed (the rule's window) and raw terminal reward (mean of the last {TERMINAL_STEPS} "
+                 "logged steps); mismatch and phantom-clip rate before the collapse (all steps of runs that did not "
+                 "collapse), and the largest mismatch before any drop (also before a first dip of the raw reward "
+                 "below the rule's level).\n\n")
     with atomic_path(f"{stem}.csv") as tmp:
         table.to_csv(tmp, index=False)
     write_text(Path(f"{stem}.md"), text + shown.to_markdown(index=False, floatfmt=".3g") + "\n"
+                                  + ("\n" + _sensitivity_markdown(sens, axes) if args.stage != "pilot" else "")
                                   + ("\n### Runs\n\n" + runs.to_markdown(index=False, floatfmt=".3g") + "\n"
                                      if args.stage != "pilot" else ""))
     write_text(Path(f"{stem}.json"), json.dumps(_clean(summary), indent=1) + "\n")

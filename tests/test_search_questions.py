@@ -1,0 +1,73 @@
+"""The real-model search's pre-registered machinery (issue 31): the paired pilot rule, the grid's
+questions with their tests, and the power the seed count buys."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from analysis.collapse_search import (fisher_one_sided, fisher_power, paired_pilot, questions, signed_rank_p,
+                                      smallest_detectable_effect, smallest_detectable_rate)
+
+RULE = {"kind": "paired", "arm_axis": "arm", "reference_arm": "none", "control_arm": "fp32",
+        "rung_axes": ["lr", "length"], "learn_fraction": 0.25, "min_gain": 0.05}
+
+
+def _pilot_runs(rewards: dict, mismatch: dict, status=None):
+    runs, curves = [], []
+    for (lr, length, arm), series in rewards.items():
+        cell = f"pilot/{lr}/{length}/{arm}/seed0"
+        runs.append({"lr": lr, "length": length, "arm": arm, "seed": 0, "cell": cell, "state": "finished",
+                     "status": (status or {}).get(cell, "ok"), "wall_s": 10.0, "collapsed": False,
+                     "step1_mismatch": mismatch[(lr, length, arm)], "step1_entropy": 1.0,
+                     "initial_reward": series[0]})
+        curves += [{"cell": cell, "step": i + 1, "reward": r} for i, r in enumerate(series)]
+    return pd.DataFrame(runs), pd.DataFrame(curves)
+
+
+def test_the_paired_pilot_takes_the_rung_where_fp32_learns_with_the_largest_bf16_mismatch():
+    learns, flat = [0.1, 0.1, 0.2, 0.3, 0.4, 0.4, 0.5, 0.5], [0.3] * 8
+    rewards = {("lr1", "c8", "fp32"): learns, ("lr1", "c8", "none"): learns,
+               ("lr1", "c32", "fp32"): learns, ("lr1", "c32", "none"): learns,
+               ("lr2", "c8", "fp32"): flat, ("lr2", "c8", "none"): learns}
+    mismatch = {("lr1", "c8", "none"): 0.02, ("lr1", "c32", "none"): 0.04, ("lr2", "c8", "none"): 0.09,
+                ("lr1", "c8", "fp32"): 1e-6, ("lr1", "c32", "fp32"): 1e-6, ("lr2", "c8", "fp32"): 1e-6}
+    runs, curves = _pilot_runs(rewards, mismatch)
+    table, choice = paired_pilot(runs, RULE, curves)
+    assert choice["chosen"] == "lr1/c32"  # lr2/c8 has the largest mismatch, but FP32 does not learn there
+    assert table.set_index(["lr", "length"]).loc[("lr2", "c8"), "eligible"] == False  # noqa: E712
+    assert table.set_index(["lr", "length"]).loc[("lr1", "c32"), "control_gain"] == pytest.approx(0.5 - 0.1)
+    # an FP32 run that did not finish cleanly is not stable: its rung is out
+    runs, curves = _pilot_runs(rewards, mismatch, status={"pilot/lr1/c32/fp32/seed0": "error"})
+    assert paired_pilot(runs, RULE, curves)[1]["chosen"] == "lr1/c8"
+    # the rule is over the whole pilot: no choice while a run is missing
+    runs.loc[0, "state"] = "missing"
+    assert paired_pilot(runs, RULE, curves)[1]["chosen"] is None
+
+
+def test_the_grid_questions_use_the_tests_named_in_advance():
+    rows = []
+    for seed in range(8):
+        rows.append({"arm": "none", "seed": seed, "state": "finished", "collapsed": seed < 5, "reward_auc": 0.2})
+        rows.append({"arm": "fp32", "seed": seed, "state": "finished", "collapsed": False, "reward_auc": 0.5 + seed / 100})
+    rule = {"arm_axis": "arm", "alpha": 0.05, "questions": {"Q1": {"question": "collapses?", "a": "none", "b": "fp32"}}}
+    q = questions(pd.DataFrame(rows), rule)["questions"]["Q1"]
+    assert q["a_collapsed"] == [5, 8] and q["b_collapsed"] == [0, 8]
+    assert q["fisher_p"] == pytest.approx(fisher_one_sided(5, 8, 0, 8)) and q["fisher_p"] < 0.05 and q["answer"] == "yes"
+    assert q["reward_auc"]["a_lower"] == 8 and q["reward_auc"]["signed_rank_p"] == pytest.approx(2 / 256)
+    rows[0]["state"] = "missing"
+    assert questions(pd.DataFrame(rows), rule)["questions"]["Q1"]["answer"] == "grid incomplete"
+
+
+def test_exact_tests_and_power():
+    # Fisher one-sided: 3 of 4 vs 0 of 4 is p = C(4,3)C(4,0)/C(8,3) + C(4,4)C(4,-1)... = 4/56 + 0 = 1/14
+    assert fisher_one_sided(3, 4, 0, 4) == pytest.approx(1 / 14)
+    assert fisher_one_sided(0, 8, 0, 8) == 1.0
+    assert signed_rank_p([1.0] * 8) == pytest.approx(2 / 256) and signed_rank_p([]) is None
+    assert signed_rank_p([1.0, -1.0]) == 1.0
+    # power grows with the rate and the seeds; "3 of 4" level facts of the tiny search for scale
+    assert fisher_power(8, 8, 0.9, 0.0, 0.05) > fisher_power(8, 8, 0.5, 0.0, 0.05) > fisher_power(4, 4, 0.5, 0.0, 0.05)
+    assert smallest_detectable_rate(8, 0.05) == pytest.approx(0.59)
+    assert smallest_detectable_rate(10, 0.05) < smallest_detectable_rate(8, 0.05) < smallest_detectable_rate(6, 0.05)
+    effect = smallest_detectable_effect(8, 0.05)
+    assert 1.0 <= effect <= 1.6 and not math.isnan(effect)
