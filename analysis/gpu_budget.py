@@ -8,6 +8,11 @@ GPU-hours = tokens / the size's ``study.throughput_tokens_per_s`` (an *assumed* 
 throughput per GPU, generation and training together, written in the config) / 3600; wall hours
 = GPU-hours / the GPUs of one run (``study.resources``). Compare the wall hours with the size's
 ``runtime`` and your cluster's MaxTime: a run cut off by a time limit resumes on retry.
+
+Disk per run = the model's parameters (``study.parameters``, an assumption read off the model's
+config) x (:data:`CHECKPOINT_BYTES` per checkpoint kept -- the last ``save_total_limit`` of the
+``ceil(steps / checkpoint_every)`` written -- + :data:`INIT_BYTES` for the run's BF16
+``init_model/``); a run writing a checkpoint holds one more until transformers deletes the oldest.
 """
 
 from __future__ import annotations
@@ -18,6 +23,27 @@ from pathlib import Path
 import yaml
 
 from rpa.workflow.pipeline import deep_merge, study_arms, study_resources
+
+CHECKPOINT_BYTES = 12
+"""Bytes a parameter per checkpoint: the FP32 master weight (4) and Adam's two FP32 moments (8)."""
+INIT_BYTES = 2
+"""Bytes a parameter of a run's starting checkpoint ``init_model/`` (BF16)."""
+
+
+def disk(run: dict, parameters: float | None) -> tuple[float | None, float | None]:
+    """(bytes of one run's directory with its checkpoints bounded, bytes with every checkpoint kept),
+    or Nones without a parameter count. ``run`` is a run config (its defaults from TrainConfig)."""
+    import math
+
+    from rpa.train.config import TrainConfig
+
+    if parameters is None:
+        return None, None
+    cfg = TrainConfig.from_dict(run)
+    written = math.ceil(cfg.steps / cfg.checkpoint_every)  # transformers also saves at the last step
+    kept = written if cfg.save_total_limit is None else min(written, cfg.save_total_limit)
+    return (parameters * (CHECKPOINT_BYTES * kept + INIT_BYTES),
+            parameters * (CHECKPOINT_BYTES * written + INIT_BYTES))
 
 
 def budget(config: dict) -> list[dict]:
@@ -34,19 +60,43 @@ def budget(config: dict) -> list[dict]:
         res = study_resources(config, model)
         gpu_h = tokens / throughput / 3600
         runs = len(study_arms(study, model)) * len(study["seeds"])
+        # every arm's run directory (an arm may override the checkpoint settings)
+        sizes = [disk(deep_merge(run, overrides or {}), (study.get("parameters") or {}).get(model))
+                 for overrides in study_arms(study, model).values()]
+        known = all(d is not None for d, _ in sizes)
+        bounded = sum(d for d, _ in sizes) * len(study["seeds"]) if known else None
+        unbounded = sum(u for _, u in sizes) * len(study["seeds"]) if known else None
         rows.append({"model": model, "tokens_per_run": tokens, "gpus": res["gpu"], "gpu_h_per_run": gpu_h,
                      "wall_h_per_run": gpu_h / max(res["gpu"], 1), "runtime_h": res["runtime"] / 60,
-                     "arms": len(study_arms(study, model)), "runs": runs, "gpu_h": gpu_h * runs})
+                     "arms": len(study_arms(study, model)), "runs": runs, "gpu_h": gpu_h * runs,
+                     "disk_gb_per_run": None if bounded is None else bounded / runs / 1e9,
+                     "disk_tb": None if bounded is None else bounded / 1e12,
+                     "disk_tb_every_checkpoint": None if unbounded is None else unbounded / 1e12})
     return rows
+
+
+def _figure(value: float | None, digits: int) -> str:
+    return "?" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | tokens / run (upper bound) | GPUs / run | GPU-h / run | wall h / run | job runtime h | "
-             "arms x seeds | GPU-h, all runs |", "|---|---|---|---|---|---|---|---|"]
+             "arms x seeds | GPU-h, all runs | disk / run, GB | disk, all runs, TB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens_per_run'] / 1e6:.0f}M | {r['gpus']} | {r['gpu_h_per_run']:.1f} | "
-                     f"{r['wall_h_per_run']:.1f} | {r['runtime_h']:.0f} | {r['runs']} | {r['gpu_h']:.0f} |")
-    lines.append(f"| **total** | | | | | | {sum(r['runs'] for r in rows)} | {sum(r['gpu_h'] for r in rows):.0f} |")
+                     f"{r['wall_h_per_run']:.1f} | {r['runtime_h']:.0f} | {r['runs']} | {r['gpu_h']:.0f} | "
+                     f"{_figure(r['disk_gb_per_run'], 0)} | {_figure(r['disk_tb'], 1)} |")
+    known = all(r["disk_tb"] is not None for r in rows)
+    disk_total = _figure(sum(r["disk_tb"] for r in rows) if known else None, 1)
+    lines.append(f"| **total** | | | | | | {sum(r['runs'] for r in rows)} | {sum(r['gpu_h'] for r in rows):.0f} | | "
+                 f"{disk_total} |")
+    every = _figure(sum(r["disk_tb_every_checkpoint"] for r in rows) if known else None, 0)
+    lines += ["", f"Assumed: the throughput (`study.throughput_tokens_per_s`, tokens/s per GPU) and the parameters "
+                  f"(`study.parameters`). Disk: {CHECKPOINT_BYTES} B a parameter per checkpoint kept (FP32 weights + "
+                  f"Adam's two moments; the last `save_total_limit`) + {INIT_BYTES} B for `init_model/` (BF16); a "
+                  f"run writing a checkpoint holds one more for a while; with every checkpoint kept "
+                  f"(`save_total_limit: null`) {every} TB."]
     return "\n".join(lines) + "\n"
 
 

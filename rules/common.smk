@@ -2,8 +2,8 @@
 
 import re
 
-from rpa.workflow.pipeline import (attribution_job, diagnose_job, dose_init_config, dose_points, gguf_flags,
-                                   model_configs, model_kind,
+from rpa.workflow.pipeline import (PipelineConfigError, attribution_job, diagnose_job, dose_init_config, dose_points,
+                                   gguf_flags, gpu_shortfall, model_configs, model_kind,
                                    model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, study_groups, study_init_config,
                                    study_points, study_priorities, study_resources, tiny_flags, train_points)
 
@@ -30,6 +30,11 @@ STUDY_GROUPS = study_groups(config) if config.get("study") else {}  # group -> i
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
 STUDY_PRIORITY = study_priorities(config, STUDY_GROUPS) if config.get("study") else {}
 SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
+# a workstation lends its GPUs through Snakemake's gpu resource: a job needing more is refused now,
+# not started and left waiting for GPUs the machine does not have
+_SHORT = gpu_shortfall(config, getattr(workflow.global_resources.get("gpu"), "value", None))
+if _SHORT:
+    raise PipelineConfigError(_SHORT)
 
 
 wildcard_constraints:

@@ -98,13 +98,16 @@ rule study_train:
         init=study_init_input,
     output:
         # the job's record, written once every run has its summary.json (each run writes one for every
-        # end: ok, collapsed, error -- a failed run is a result the tables show as failed); the summaries
+        # end: ok, collapsed, error -- a failed run is a result the tables show as failed, except one
+        # stopped for a reason worth retrying (out of memory, a lost process), which fails the job up to
+        # study.transient_retries times so that it runs again and resumes); the summaries
         # are not the job's outputs, so a job stopped half-way keeps its finished runs and its rerun
         # does only the rest (a killed run resumes from its checkpoint)
         f"{R}/study/{{group}}.json",
     params:
         command=study_command,
         dirs=lambda wc: " ".join(_group_dirs(wc)),
+        retries=config["study"]["transient_retries"] if STUDY else 0,
     log:
         f"{R}/logs/study/{{group}}.log",
     priority: lambda wc: STUDY_PRIORITY[wc.group]
@@ -116,7 +119,9 @@ rule study_train:
         runtime=_study_res("runtime"),
         cpus_per_task=_study_res("cpus_per_task"),
     shell:
-        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} >> {log} 2>&1"
+        # `;`: the record decides, from the runs' summaries, whether the job failed
+        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} "
+        "--transient-retries {params.retries} >> {log} 2>&1"
 
 
 def study_manifest_text():

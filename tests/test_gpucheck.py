@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 from rpa.workflow import gpucheck
 
@@ -43,3 +44,70 @@ def test_skipped_steps_are_neither_passed_nor_failed(monkeypatch, tmp_path, caps
     assert rc == 1  # the failed steps, not the skipped one
     assert "FAIL train (" in out and "SKIP train-fsdp2-2gpu: needs 2 CUDA GPUs" in out
     assert "0 of 1 passed, 1 skipped" in out
+
+
+def _fake_diagnose(layers, first_equal=1.0, crash=None):
+    """``rpa diagnose`` as the step calls it: a layers.csv of ``layers`` layers and a summary."""
+    import csv
+
+    from rpa.measure.diagnose import BOUNDARIES, FINAL, LAYER_COLUMNS
+
+    def run(*args, **kwargs):
+        regions = args[args.index("--regions") + 1]
+        if crash and regions == crash:
+            return subprocess.CompletedProcess(args, 1, "", "Traceback ...\nRuntimeError: Expected all tensors "
+                                                          "to be on the same device\n")
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True)
+        keys = [(i, b) for i in range(layers) for b in BOUNDARIES] + [(layers, FINAL)]
+        rows = [{"layer": i, "boundary": b, "step": n, "elements": 8, "max_abs_diff": 0.5, "mean_abs_diff": 0.25,
+                 "rel_mean_abs_diff": 0.1, "frac_bitwise_equal": first_equal if n == 0 else 0.5}
+                for n, (i, b) in enumerate(keys)]
+        with open(out / "layers.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(LAYER_COLUMNS))
+            writer.writeheader()
+            writer.writerows(rows)
+        (out / "summary.json").write_text(json.dumps({
+            "first_divergence": {"layer": 0, "boundary": "attn_out"}, "final_norm": rows[-1],
+            "config": {"trainer": {"kernels": "triton"}}}))
+        return subprocess.CompletedProcess(args, 0, "", "")
+    return run
+
+
+def _diagnose_model(tmp_path, layers=2):
+    model = tmp_path / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    return model
+
+
+def test_diagnose_step_checks_both_tables_and_the_aligned_first_boundary(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpucheck, "_rpa", _fake_diagnose(layers=2))
+    ok, why = gpucheck._diagnose(_diagnose_model(tmp_path), tmp_path / "d1")
+    assert ok, why
+    assert "none: first divergence layer 0 attn_out" in why and "all: first divergence" in why
+    assert "trainer kernels triton" in why
+
+    monkeypatch.setattr(gpucheck, "_rpa", _fake_diagnose(layers=1))  # a table short of the model's layers
+    ok, why = gpucheck._diagnose(_diagnose_model(tmp_path / "x"), tmp_path / "d2")
+    assert not ok and "8 of 15 boundaries compared" in why
+
+    monkeypatch.setattr(gpucheck, "_rpa", _fake_diagnose(layers=2, first_equal=0.75))
+    ok, why = gpucheck._diagnose(_diagnose_model(tmp_path / "y"), tmp_path / "d3")
+    assert not ok and why.startswith("regions all: layer 0 attn_in differs")
+
+
+def test_diagnose_step_fails_on_the_commands_crash_with_its_last_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpucheck, "_rpa", _fake_diagnose(layers=2, crash="none"))
+    ok, why = gpucheck._diagnose(_diagnose_model(tmp_path), tmp_path / "d")
+    assert not ok and why == "regions none: exit 1: RuntimeError: Expected all tensors to be on the same device"
+
+
+def test_diagnose_is_a_step_of_gpu_check(monkeypatch, tmp_path, capsys):
+    model = tmp_path / "vocab300" / "tiny-qwen3"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    monkeypatch.setattr(gpucheck, "_rpa", _fake_diagnose(layers=2))
+    rc = gpucheck.main(["--out", str(tmp_path), "--vocab-size", "300", "--only", "diagnose"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS diagnose (" in out and "1 of 1 passed" in out

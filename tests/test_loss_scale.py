@@ -23,6 +23,22 @@ def test_unscale_detects_overflow_and_the_scale_backs_off_and_grows():
     assert s.scale == 8.0 and s.good_steps == 0
 
 
+def test_unscale_syncs_the_host_once_per_step_not_once_per_parameter(monkeypatch):
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(12)]
+    for i, p in enumerate(params):
+        p.grad = torch.full((4,), 2.0 * (i + 1))
+    conversions = []
+    stock = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: conversions.append(1) or stock(t))  # tensor -> host
+    scaler = DynamicLossScale(scale=2.0)
+    assert not scaler.unscale_(params) and len(conversions) == 1
+    assert all(torch.equal(p.grad, torch.full((4,), float(i + 1))) for i, p in enumerate(params))
+    params[7].grad[2] = math.nan  # one non-finite entry of one parameter of twelve
+    conversions.clear()
+    assert scaler.unscale_(params) and len(conversions) == 1
+    assert not scaler.unscale_([torch.nn.Parameter(torch.zeros(2))])  # no gradients: nothing to check
+
+
 def _grads(model_dir, ids, compute_dtype, scale=1.0):
     from transformers import AutoModelForCausalLM
 

@@ -142,3 +142,56 @@ def test_two_process_run_logs_each_step_once_with_gathered_mismatch(tiny_dirs, t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 3
     assert proc.stdout.count("rpa train: 3 steps") == 1
+
+
+WAIT_SCRIPT = """
+import json, os, sys, time
+from datetime import timedelta
+from types import SimpleNamespace
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))  # training's, short
+    from rpa.train.trl_adapter import evaluation_group, wait_for_rank0
+    holder, got = SimpleNamespace(), {}
+    training = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))  # as training's group, 2 s
+    late = evaluation_group(1, SimpleNamespace())  # an eval_timeout_s of 1 s
+    def evaluation(seconds, group):  # every rank has the group; rank 0 evaluates for `seconds`, then they meet
+        t0 = time.time()
+        if rank == 0:
+            time.sleep(seconds)
+        try:
+            wait_for_rank0(group)
+            return round(time.time() - t0, 1)
+        except Exception as err:
+            return type(err).__name__
+    got["waited"] = evaluation(5, evaluation_group(30, holder))  # past the default group's 2 s
+    got["again"] = evaluation(3, evaluation_group(30, holder))  # made once, used again
+    got["one_group"] = evaluation_group(30, holder) is holder._rpa_eval_group
+    got["timed_out"] = evaluation(4, late)  # past eval_timeout_s
+    got["in_training_collective"] = evaluation(5, training)  # the wait it replaces
+    time.sleep(6)  # every rank past its timeouts before the group goes
+    json.dump(got, open(f"{out}.{rank}", "w"))
+    os._exit(0)  # a group whose barrier timed out does not always tear down cleanly
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def test_the_other_ranks_wait_for_rank_0s_evaluation_past_the_groups_timeout(tmp_path):
+    """Two CPU processes, a process group of 2 s: rank 0 evaluates for 5 s while rank 1 waits in
+    wait_for_rank0 (30 s) and goes on; an evaluation past eval_timeout_s fails the wait; the control:
+    waiting in a collective of the 2-s group (what the other ranks did before) fails."""
+    out, script = tmp_path / "wait", tmp_path / "wait.py"
+    script.write_text(WAIT_SCRIPT)  # a file: spawned processes import the worker from it
+    proc = run_py([str(script), free_port(), str(out)], timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    rank0, rank1 = (json.loads((tmp_path / f"wait.{r}").read_text()) for r in (0, 1))
+    assert isinstance(rank1["waited"], float) and rank1["waited"] >= 4.5, rank1
+    assert isinstance(rank1["again"], float) and rank1["again"] >= 2.5, rank1
+    assert isinstance(rank0["waited"], float) and isinstance(rank0["again"], float) and rank0["one_group"], rank0
+    assert isinstance(rank1["timed_out"], str) and "Error" in rank1["timed_out"], rank1
+    assert isinstance(rank1["in_training_collective"], str), rank1

@@ -1,26 +1,40 @@
-"""The study as a SLURM user submits it: every job of the dry run under the SLURM profile passes
-snakemake-executor-plugin-slurm's own validation, GPU jobs carry the `gpu` resource the plugin
-turns into --gpus, and config-writing jobs are local (never submitted)."""
+"""The study as a SLURM user submits it: every job of the dry run under the SLURM profile, fed through
+snakemake-executor-plugin-slurm's own sbatch builder (``get_submit_command`` and ``set_gres_string``,
+as its ``run_job`` calls them), asks for one task on one node with its GPUs and at most the CPUs it
+names, on the GPU partition when it takes GPUs and the CPU-only partition otherwise; config-writing
+jobs are local (never submitted)."""
 
+import shlex
 from types import SimpleNamespace
 
 import pytest
+import yaml
+from snakemake_executor_plugin_slurm import Executor
+from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 from snakemake_interface_common.exceptions import WorkflowError
 
-from tests.conftest import tail
+from tests.conftest import REPO, tail
 from tests.test_pipeline import snakemake
 
+PROFILE = yaml.safe_load((REPO / "experiments/profiles/slurm/config.yaml").read_text())
 
-def _resources(line: str) -> dict[str, str]:
+
+def _value(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _resources(line: str) -> dict:
     out = {}
     for part in line.split(": ", 1)[1].split(", "):
         key, _, value = part.partition("=")
-        out[key] = value
+        out[key] = _value(value)
     return out
 
 
 def dry_run_jobs(tmp_path, *targets, configfile="experiments/study.yaml"):
+    """Every job of the dry run under the SLURM profile: rule, wildcards, threads, resources."""
     proc = snakemake(*targets, "-n", "--workflow-profile", "experiments/profiles/slurm", "--configfile", configfile,
                      "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
@@ -28,43 +42,155 @@ def dry_run_jobs(tmp_path, *targets, configfile="experiments/study.yaml"):
     for line in (proc.stdout + proc.stderr).splitlines():
         line = line.strip()
         if line.startswith(("rule ", "localrule ")):
-            current = {"rule": line.split()[1].rstrip(":"), "local": line.startswith("localrule"), "resources": {}}
+            current = {"rule": line.split()[1].rstrip(":"), "resources": {}, "threads": 1, "wildcards": ""}
             jobs.append(current)
         elif current is not None and line.startswith("resources:"):
             current["resources"] = _resources(line)
+        elif current is not None and line.startswith("threads:"):
+            current["threads"] = int(line.split()[1])
+        elif current is not None and line.startswith("wildcards:"):
+            current["wildcards"] = line.split(": ", 1)[1]
     return jobs
 
 
-def test_every_study_job_passes_the_slurm_plugins_validation(tmp_path):
-    jobs = dry_run_jobs(tmp_path, "study")
-    submitted = [j for j in jobs if not j["local"] and j["rule"] != "study"]
-    assert {"study_train", "probe", "parity"} <= {j["rule"] for j in submitted}
-    for job in submitted:
-        validate_slurm_extra(SimpleNamespace(resources=SimpleNamespace(**job["resources"])))  # raises if forbidden
-        if job["rule"] in ("study_train", "probe", "probe_sampler", "parity", "diagnose"):
-            assert int(job["resources"]["gpu"]) >= 1, job
-
-
-def test_config_writing_jobs_are_local_rules():
-    """~145 one-line jobs that only write a file from the config must not become SLURM jobs."""
+def local_rules(configfile="experiments/study.yaml") -> set[str]:
+    """The rules Snakemake runs itself (never submitted): its own ``Workflow.is_local``."""
     from pathlib import Path
 
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, ResourceSettings, StorageSettings
 
-    from tests.conftest import REPO
-
     with SnakemakeApi(OutputSettings(quiet=True)) as api:
         wf = api.workflow(resource_settings=ResourceSettings(), storage_settings=StorageSettings(),
-                          config_settings=ConfigSettings(configfiles=[REPO / "experiments/study.yaml"],
+                          config_settings=ConfigSettings(configfiles=[REPO / configfile],
                                                          config={"results": "/tmp/rpa-slurm-test"}),
                           snakefile=REPO / "Snakefile", workdir=Path(REPO))
         wf.dag(DAGSettings(targets={"study"}))
-        local = set(wf._workflow._localrules)  # snakemake's own record of the localrules directives
+        workflow = wf._workflow
+        # Workflow.is_local without its `local_exec` (true under the local executor this API uses)
+        return {rule.name for rule in workflow.rules if rule.group is None and
+                (rule.name in workflow._localrules or rule.norun or rule.is_template_engine)}
+
+
+class _Resources(dict):
+    """A job's resources as the plugin reads them: ``.get(key)`` and ``.key``."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def sbatch_line(job: dict) -> str:
+    """The sbatch command line the plugin's ``Executor.run_job`` would submit for ``job`` (without
+    ``--wrap``): its validation, its partition choice, ``get_submit_command``, then ``set_gres_string``."""
+    fake = SimpleNamespace(resources=_Resources(job["resources"]), threads=job["threads"], name=job["rule"])
+    validate_slurm_extra(fake)  # raises on what the plugin forbids in slurm_extra
+    # the plugin's own partition choice; no partition file, and no sinfo here: its fallback is no -p
+    executor = SimpleNamespace(_partitions=None, _fallback_partition="", logger=None)
+    params = {"run_uuid": "uuid", "slurm_logfile": "/tmp/%j.log", "comment_str": f"rule_{job['rule']}",
+              "account": "", "partition": Executor.get_partition_arg(executor, fake), "workdir": "/work"}
+    return get_submit_command(fake, params) + set_gres_string(fake)
+
+
+def sbatch_problems(job: dict) -> list[str]:
+    """What is wrong with the job's sbatch line: anything but one task on one node with the job's
+    GPUs and at most its named CPUs, on the partition of its kind."""
+    args = shlex.split(sbatch_line(job))
+    opts = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and "=" in arg:
+            opts[arg.split("=", 1)[0]] = arg.split("=", 1)[1]
+        elif arg in ("-p", "-t", "--mem"):
+            opts[arg] = args[i + 1]
+    res, problems = job["resources"], []
+    if opts.get("--nodes") != "1":
+        problems.append(f"--nodes={opts.get('--nodes')} (want 1)")
+    # no --ntasks* at all: sbatch's default, one task per node, with --nodes=1 one task
+    for key in ("--ntasks-per-gpu", "--ntasks-per-node"):
+        if key in opts:
+            problems.append(f"{key}={opts[key]} (want none)")
+    if opts.get("--ntasks", "1") != "1":
+        problems.append(f"--ntasks={opts['--ntasks']} (want 1)")
+    if "--cpus-per-gpu" in opts:
+        problems.append(f"--cpus-per-gpu={opts['--cpus-per-gpu']} (CPUs per GPU, want per task)")
+    cpus = int(opts.get("--cpus-per-task", 0))
+    if not 1 <= cpus <= max(res.get("cpus_per_task") or job["threads"], 1):
+        problems.append(f"--cpus-per-task={cpus} (named: {res.get('cpus_per_task')})")
+    gpus = int(res.get("gpu") or 0)
+    if opts.get("--gpus") != (str(gpus) if gpus else None):
+        problems.append(f"--gpus={opts.get('--gpus')} (gpu resource {gpus})")
+    want_partition = PROFILE["set-resources"]["study_train"]["slurm_partition"] if gpus else \
+        (PROFILE["default-resources"]["slurm_partition"] or None)
+    if opts.get("-p") != want_partition:
+        problems.append(f"-p {opts.get('-p')} (want {want_partition})")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def study_jobs(tmp_path_factory):
+    jobs = dry_run_jobs(tmp_path_factory.mktemp("slurm"), "study")
+    local = local_rules()
+    return [j for j in jobs if j["rule"] not in local]
+
+
+def test_every_study_job_is_one_task_on_one_node_in_the_plugins_sbatch_line(study_jobs):
+    rules = {j["rule"] for j in study_jobs}
+    assert {"study_train", "probe", "probe_sampler", "parity", "diagnose", "study_aggregate"} <= rules, rules
+    assert not rules & {"study_config", "write_probe_job", "study"}, rules  # run by Snakemake itself
+    problems = {f"{j['rule']} {j['wildcards']}": p for j in study_jobs if (p := sbatch_problems(j))}
+    assert not problems, problems
+
+
+def test_the_study_jobs_ask_for_their_sizes_gpus_and_cpus(study_jobs):
+    """The multi-GPU sizes exactly as study.resources names them: 8 GPUs and 64 CPUs in one task."""
+    study = yaml.safe_load((REPO / "experiments/study.yaml").read_text())["study"]
+    seen = set()
+    for job in (j for j in study_jobs if j["rule"] == "study_train"):
+        want = study["resources"][job["wildcards"].split("=", 1)[1].split("/")[0]]
+        line = sbatch_line(job)
+        assert f"--gpus={want['gpu']}" in line and f"--cpus-per-task={want['cpus_per_task']}" in line, line
+        assert "--nodes=1" in line and "--ntasks" not in line, line
+        seen.add(want["gpu"])
+    assert seen == {1, 4, 8}
+
+
+def test_cpu_only_jobs_go_to_the_cpu_partition_setting(tmp_path, study_jobs):
+    cpu_jobs = [j for j in study_jobs if not j["resources"].get("gpu")]
+    assert cpu_jobs and all(" -p " not in sbatch_line(j) for j in cpu_jobs)  # "": the cluster's default
+    moved = {**cpu_jobs[0], "resources": {**cpu_jobs[0]["resources"], "slurm_partition": "cpu"}}
+    assert " -p cpu " in sbatch_line(moved) + " "
+    assert " -p gpu " in sbatch_line(next(j for j in study_jobs if j["rule"] == "study_train")) + " "
+
+
+def test_the_check_fails_the_plugins_defaults_for_a_multi_gpu_job(study_jobs):
+    """The control: without the profile's tasks_per_gpu 0 / nodes 1 the plugin asks for 8 tasks of
+    64 CPUs each (--ntasks-per-gpu=1), on any number of nodes -- which the check above refuses."""
+    job = next(j for j in study_jobs if j["resources"].get("gpu") == 8)
+    stock = {**job, "resources": {k: v for k, v in job["resources"].items() if k not in ("tasks_per_gpu", "nodes")}}
+    line = sbatch_line(stock)
+    assert "--ntasks-per-gpu=1" in line and "--nodes" not in line, line
+    problems = sbatch_problems(stock)
+    assert any("--ntasks-per-gpu=1" in p for p in problems) and any("--nodes=None" in p for p in problems)
+
+
+def test_every_pilot_job_is_one_task_on_one_node_too(tmp_path):
+    jobs = [j for j in dry_run_jobs(tmp_path, "study", configfile="experiments/study-pilot.yaml")
+            if j["rule"] not in local_rules("experiments/study-pilot.yaml")]
+    assert sum(j["rule"] == "study_train" for j in jobs) == 8
+    problems = {f"{j['rule']} {j['wildcards']}": p for j in jobs if (p := sbatch_problems(j))}
+    assert not problems, problems
+
+
+def test_config_writing_jobs_are_local_rules():
+    """~145 one-line jobs that only write a file from the config must not become SLURM jobs."""
+    local = local_rules()
     assert {"study_config", "study_manifest", "dose_config", "train_config", "search_config"} <= local
+    assert not local & {"study_train", "probe", "parity", "diagnose", "study_aggregate"}
 
 
 def test_the_validation_used_above_rejects_gres_in_slurm_extra():
-    """The control: what the rules used to set is refused by the same call."""
+    """The control: what the rules used to set is refused by the validation sbatch_line runs."""
     with pytest.raises(WorkflowError, match="GRES"):
         validate_slurm_extra(SimpleNamespace(resources=SimpleNamespace(slurm_extra="--gres=gpu:1")))

@@ -92,6 +92,8 @@ def test_the_miniature_runs_arms_of_one_sampler_side_in_one_process_and_every_ce
     runs = [f"{r}/{arm}/seed{s}" for arm in ("all", "all-sampler-only") for s in seeds]
     assert "rpa train " + " ".join(f"--config {d}/run.yaml --out {d}" for d in runs) + " " in out
     assert f"python -m rpa.workflow.runs --out {r}/all+all-sampler-only/seed0+1+2.json {' '.join(runs)}" in out
+    # a run stopped by an OOM or a lost process fails its job (the schema's default, twice), so that it runs again
+    assert f"{' '.join(runs)} --transient-retries 2 >> " in out
 
 
 def test_the_longest_work_is_scheduled_first(tmp_path):
@@ -118,7 +120,9 @@ def test_the_longest_work_is_scheduled_first(tmp_path):
         jobs = _jobs(out, rule)
         assert jobs and all(int(j["priority"]) == priority[j["wildcards"].removeprefix(key).split("/")[0]]
                             for j in jobs), rule
-    assert all(int(j.get("priority", 0)) == 0 for j in _jobs(out, "probe") + _jobs(out, "parity"))
+    # probes and parity fill in at the end; an FP16 probe (~8x a BF16 one on a CPU without FP16 arithmetic) first of them
+    probes = _jobs(out, "probe") + _jobs(out, "parity")
+    assert all(int(j.get("priority", 0)) == (1 if "fp16" in j.get("wildcards", "") else 0) for j in probes)
 
 
 def test_process_groups_whose_names_collide_are_refused():
@@ -132,6 +136,28 @@ def test_several_runs_per_process_need_a_single_process_launch():
     config = {**STUDY, "study": {**STUDY["study"], "runs_per_process": 2}}
     with pytest.raises(Exception, match="study.runs_per_process: 2, but 'qwen3-8b' launches with 'fsdp2'"):
         check_config(config)
+
+
+def test_an_arm_whose_vllm_weights_cannot_fit_its_gpu_share_is_refused_in_one_line():
+    """The fp32 arm at 8B: 32.8 GB of FP32 weights against vLLM's 0.3 x 80 GB = 24 GB (the BF16 arms' share);
+    the study sizes it (0.5: 40 GB), and a config without the GPU's memory is not checked."""
+    from rpa.workflow.pipeline import PipelineConfigError
+
+    check_config(STUDY)  # as shipped: every arm fits
+    arms = {**STUDY["study"]["arms"], "fp32": {"numerics": {"precision": "fp32"}}}
+    config = {**STUDY, "study": {**STUDY["study"], "arms": arms}}
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(config)
+    problems = str(err.value).splitlines()[1:]
+    assert [p.strip() for p in problems] == [
+        "study.arms.fp32 (qwen3-8b): vLLM's fp32 weights, 32.8 GB (8.19e+09 parameters x 4 bytes), do not fit its "
+        "share of one 80 GB GPU (vllm_gpu_memory_utilization 0.3: 24.0 GB); raise the arm's "
+        "vllm_gpu_memory_utilization or run it on smaller sizes only (study.size_arms)"]
+    check_config({**config, "study": {**config["study"], "gpu_memory_gb": None}})  # no GPU size: nothing checked
+    on_141 = {**config, "study": {**config["study"], "gpu_memory_gb": 141}}  # an H200: 0.3 x 141 = 42.3 GB
+    check_config(on_141)
+    tp = deep_merge(STUDY["study"]["sizes"], {"qwen3-8b": {"vllm_tensor_parallel_size": 2, "eval_every": 0}})
+    check_config({**config, "study": {**config["study"], "sizes": tp}})  # 16.4 GB a rank
 
 
 def test_a_job_record_needs_every_run_summary(tmp_path):
@@ -185,13 +211,26 @@ def test_slurm_dry_run_lists_every_cell_once_with_gpu_resources(tmp_path):
 
 
 def test_workstation_dry_run_caps_gpus_and_gives_jobs_their_own(tmp_path):
-    proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/workstation", "--resources", "gpu=2",
+    proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/workstation", "--resources", "gpu=8",
                      "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}",
                      "--printshellcmds")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
     assert "python -m rpa.workflow.gpus --count 1 -- rpa train" in out
     assert "python -m rpa.workflow.gpus --count 8 -- accelerate launch --config_file experiments/accelerate/fsdp2.yaml" in out
+
+
+def test_a_workstation_with_fewer_gpus_than_a_job_needs_is_refused_at_parse_time(tmp_path):
+    from rpa.workflow.pipeline import gpu_shortfall
+
+    assert gpu_shortfall(STUDY, None) is None and gpu_shortfall(STUDY, 8) is None  # SLURM: no limit; 8 GPUs
+    assert gpu_shortfall(STUDY_CPU, 0) is None  # the CPU miniature takes none
+    line = gpu_shortfall(STUDY, 2)
+    assert "study.resources.qwen3-4b.gpu 4, study.resources.qwen3-8b.gpu 8;" in line and "qwen3-1.7b" not in line
+    proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/workstation", "--resources", "gpu=2",
+                     "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}")
+    assert proc.returncode != 0 and line in proc.stdout + proc.stderr, tail(proc)
+    assert "study_train" not in proc.stdout  # refused before any job is listed
 
 
 def test_gpu_allocator_gives_concurrent_jobs_distinct_gpus(tmp_path):
@@ -243,9 +282,10 @@ def test_positions_are_an_independent_option(tiny_dirs):
 REFERENCE = REPO / "results/reference/study-cpu"
 
 
-@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
 def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
     import shutil
+
+    assert (REFERENCE / "study/manifest.json").exists(), "committed reference data missing (part of the contract)"
 
     res = tmp_path / "r"
     shutil.copytree(REFERENCE, res)
@@ -287,9 +327,10 @@ def test_export_replaces_the_stage_never_merges_stale_runs(tmp_path):
     assert (out / "study/m/none/seed0/metrics.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'
 
 
-@pytest.mark.skipif(not (REFERENCE / "study/manifest.json").exists(), reason="no committed miniature results")
 def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
     import shutil
+
+    assert (REFERENCE / "study/manifest.json").exists(), "committed reference data missing (part of the contract)"
 
     res = tmp_path / "r"
     shutil.copytree(REFERENCE, res)
@@ -451,14 +492,54 @@ def test_latex_tables_keep_few_columns():
 
 
 def test_readme_gpu_budget_is_the_one_computed_from_the_config():
+    """The study page's budget block (docs/study.md) is what analysis.gpu_budget computes."""
     from analysis.gpu_budget import budget, markdown
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "study.md").read_text()
     block = readme.split("<!-- gpu-budget:begin -->\n")[1].split("<!-- gpu-budget:end -->")[0]
     rows = budget(STUDY)
     assert block == markdown(rows)
     for r in rows:  # every run fits its job's wall time (a longer one would rely on retries)
         assert r["wall_h_per_run"] <= r["runtime_h"] <= 24, r
+
+
+def test_the_disk_budget_counts_the_kept_checkpoints_of_every_run():
+    """8B: 300 steps, a checkpoint every 25 (12 written), 2 kept: 8.19e9 x (2 x 12 B + 2 B) a run, 39 runs."""
+    from analysis.gpu_budget import budget, markdown
+
+    rows = {r["model"]: r for r in budget(STUDY)}
+    assert rows["qwen3-8b"]["disk_gb_per_run"] == pytest.approx(8.19e9 * 26 / 1e9)
+    assert rows["qwen3-8b"]["disk_tb"] == pytest.approx(8.19e9 * 26 * 39 / 1e12)
+    assert rows["qwen3-8b"]["disk_tb_every_checkpoint"] == pytest.approx(8.19e9 * (12 * 12 + 2) * 39 / 1e12)
+    every = deep_merge(STUDY["study"], {"sizes": {"qwen3-8b": {"save_total_limit": None}}})
+    unbounded = rows["qwen3-8b"]["disk_tb_every_checkpoint"]
+    assert budget({**STUDY, "study": every})[-1]["disk_tb"] == pytest.approx(unbounded)
+    unknown = budget({**STUDY, "study": {**STUDY["study"], "parameters": {}}})
+    text = markdown(unknown)
+    assert all(r["disk_tb"] is None for r in unknown) and "| ? | ? |" in text and "Assumed:" in text
+
+
+def test_the_pilot_dry_runs_as_cells_of_the_study_with_its_own_budget(tmp_path):
+    """experiments/study-pilot.yaml: 0.6B, arms none / all / fp16 / fp32, 2 seeds -- each run the study's
+    own cell (same run config, so the same collapse rule), and a budget table of its own."""
+    from analysis.gpu_budget import budget, markdown
+
+    pilot = yaml.safe_load((REPO / "experiments/study-pilot.yaml").read_text())
+    check_config(pilot)
+    points = study_points(pilot)
+    assert sorted({p["arm"] for p in points}) == ["all", "fp16", "fp32", "none"] and pilot["study"]["seeds"] == [0, 1]
+    study = {p["cell"]: p["config"] for p in study_points(STUDY)}
+    assert all(p["config"] == study[p["cell"]] for p in points)  # the study's cells, collapse rule included
+    rows = budget(pilot)
+    assert [r["runs"] for r in rows] == [8] and 40 < rows[0]["gpu_h"] < 120
+    assert "| **total** | | | | | | 8 |" in markdown(rows)
+    proc = snakemake("study", "-n", "--configfile", "experiments/study-pilot.yaml", "--config",
+                     f"results={tmp_path / 'r'}")
+    assert proc.returncode == 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    trains = _jobs(out, "study_train")
+    assert sorted(j["wildcards"] for j in trains) == sorted(f"group=qwen3-0.6b/{a}/seed{s}"
+                                                             for a in ("none", "all", "fp16", "fp32") for s in (0, 1))
 
 
 def test_gpu_study_settings_can_show_a_collapse():
@@ -472,3 +553,57 @@ def test_gpu_study_settings_can_show_a_collapse():
     smallest = STUDY["study"]["models"][0]
     assert (smallest, "perturb-mantissa4") in arms and ("qwen3-8b", "perturb-mantissa4") not in arms
     assert all((m, "fp32") in arms for m in STUDY["study"]["models"])
+
+
+# --------------------------------------------------------- stable bootstrap bounds, compact tables
+
+def test_a_reported_probe_bound_is_the_same_for_two_bootstrap_seeds():
+    """mini-m rmsnorm (16 sequences): with 2000 resamples its lower bound was +1.9 with one seed
+    and -1.3 with another. With analysis.paired.BOOTSTRAP resamples, each bound shown to the
+    precision its Monte Carlo error supports, two seeds give the same rounded interval."""
+    import pandas as pd
+
+    from analysis.paired import BOOTSTRAP, bound_step, fmt_change, paired_change
+
+    probe = REFERENCE / "probe/mini-m"
+    assert (probe / "rmsnorm/tokens.csv").exists(), "committed reference data missing (part of the contract)"
+    arm, ref = pd.read_csv(probe / "rmsnorm/tokens.csv"), pd.read_csv(probe / "none/tokens.csv")
+    shown = []
+    for seed in (0, 1):
+        c = paired_change(arm, ref, seed=seed)["mean_abs_dlogp"]
+        shown.append(fmt_change(c["change"], c["low"], c["high"]))
+        assert bound_step(c["low"], c["high"]) == 1.0  # a 110-point-wide interval: bounds to whole percent
+    assert BOOTSTRAP >= 1_000_000 and shown[0] == shown[1] == "+50.9% [-1, +109]"
+    # the committed table is the seed-0 one
+    table = pd.read_csv(REFERENCE / "tables/study_mismatch.csv").set_index(["model", "arm"])
+    row = table.loc[("mini-m", "rmsnorm")]
+    assert fmt_change(row["probe_mean_abs_dlogp_change"], row["probe_mean_abs_dlogp_low"],
+                      row["probe_mean_abs_dlogp_high"]) == shown[0]
+    assert fmt_change(-0.5, -0.6, -0.4) == "-50.0% [-60.0, -40.0]" and fmt_change(0.1, -0.2, 0.4, resamples=0) == \
+        "+10.0% [-20.0, +40.0]"
+
+
+def test_committed_collapse_table_has_the_raw_terminal_reward_and_the_paper_the_compact_sensitivity():
+    import pandas as pd
+
+    from rpa.train.collapse import RULE_VERSION
+
+    collapse = pd.read_csv(REFERENCE / "tables/study_collapse.csv")
+    assert {"terminal_reward", "absorbing", "rule_version"} <= set(collapse)
+    assert set(collapse["rule_version"]) == {RULE_VERSION} and collapse["absorbing"].sum() == 0
+    tex = (REFERENCE / "tables/study_sensitivity.tex").read_text()
+    assert tex.count("\\\\\n") == 2  # the header and the one row with a collapse (mini-l mis)
+    assert "mini-l & mis" in tex and "The other 47 of 48 model x arm rows: 0/3 collapsed" in tex
+    header = (REFERENCE / "tables/study_collapse.tex").read_text().split("\\midrule")[0]
+    assert "raw" in header and "last 4" in header and "absorbing" in header  # (wrapped over lines)
+
+
+def test_figures_facet_the_arms_by_family():
+    from analysis.study import arm_families
+
+    arms = list(STUDY["study"]["arms"])
+    families = arm_families(arms)
+    assert sorted(a for _, members in families for a in members) == sorted(arms)  # each arm once
+    assert all(len(members) <= 4 for _, members in families)
+    assert arm_families(["none", "perturb-mantissa4", "odd"])[1:] == [("positive control", ["perturb-mantissa4"]),
+                                                                       ("other arms", ["odd"])]

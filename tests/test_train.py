@@ -39,6 +39,8 @@ BASE = {
     ({"updates_per_generation": 0}, "updates_per_generation: must be an integer >= 1, got 0"),
     ({"num_iterations": 1.5}, "num_iterations: must be an integer, got 1.5"),
     ({"eval_temperature": -1}, "eval_temperature: must be a number >= 0, got -1"),
+    ({"eval_timeout_s": 0}, "eval_timeout_s: must be a number > 0, got 0"),
+    ({"save_total_limit": 0}, "save_total_limit: must be an integer >= 1 (or null: keep every checkpoint), got 0"),
     ({"task": {"name": "walk", "length": 0}}, "task: num_prompts, max_operand and length must be >= 1"),
     ({"task": {"name": "count", "num_prompts": 3}}, "task.num_prompts: 3 prompts cannot fill one generation of 4"),
 ])
@@ -84,6 +86,120 @@ def test_off_policy_and_schedule_knobs_reach_trl(tmp_path):
     default = _grpo_args(TrainConfig.from_dict({"model": "m", **BASE}), tmp_path)
     assert default.steps_per_generation == default.gradient_accumulation_steps and default.num_iterations == 1
     assert default.lr_scheduler_type == "linear" and TrainConfig.from_dict({"model": "m"}).eval_temperature == 0.0
+
+
+def test_checkpoints_are_bounded_and_resume_keeps_the_newest(tmp_path):
+    """save_total_limit reaches transformers as is (default 2, null: every checkpoint); transformers'
+    own rotation with it leaves the newest whole checkpoint, the one a resume reads."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from rpa.train.rundir import latest_checkpoint
+    from rpa.train.trl_adapter import grpo_args as _grpo_args
+
+    default = TrainConfig.from_dict({"model": "m", **BASE})
+    assert default.save_total_limit == 2 and _grpo_args(default, tmp_path).save_total_limit == 2
+    assert _grpo_args(TrainConfig.from_dict({"model": "m", **BASE, "save_total_limit": None}),
+                      tmp_path).save_total_limit is None
+    args = _grpo_args(TrainConfig.from_dict({"model": "m", **BASE, "save_total_limit": 1}), tmp_path)
+    assert args.save_total_limit == 1 and args.save_steps == BASE["checkpoint_every"]
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        rotate_checkpoints(str(tmp_path), save_total_limit=2, use_mtime=True)  # as Trainer._save_checkpoint does
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-8"
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(TrainConfigError, match="save_total_limit"):
+            TrainConfig.from_dict({"model": "m", **BASE, "save_total_limit": bad})
+
+
+def test_a_run_that_fails_while_its_engine_starts_writes_its_summary(tiny_dirs, tmp_path, monkeypatch):
+    """vLLM out of memory in the trainer's constructor (where TRL starts the engine): the run's summary
+    says so (status error, the exception) and the error is raised, as for a failure in training."""
+    import torch
+
+    from rpa.sides import engine
+    from rpa.train import trl_adapter
+    from rpa.train.grpo import run_train
+
+    class EngineOOM:
+        def __init__(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.80 GiB")
+
+    monkeypatch.setattr(trl_adapter, "make_trainer_class", lambda: EngineOOM)
+    monkeypatch.setattr(engine, "make_llm_env", lambda *args, **kwargs: None)  # no engine, no vLLM environment
+    monkeypatch.setenv("MASTER_PORT", "29999")  # as a launcher sets it: the run claims none
+    cfg = TrainConfig.from_dict({"model": str(tiny_dirs["qwen3"]), **BASE, "warm_start": {"steps": 0}})
+    with pytest.raises(torch.OutOfMemoryError):
+        run_train(cfg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "error" and "OutOfMemoryError" in summary["error"] and summary["steps"] == 0
+    assert summary["trainer"]["regions"] == "all"  # the trainer model was aligned before the engine started
+    from rpa.workflow.runs import transient
+
+    assert transient(summary["error"])  # its job fails, to be run again (rpa.workflow.runs)
+
+
+def _evaluated(steps, every, updates_per_generation, resume=0, rollouts="vllm"):
+    """TRL's loop as the held-out evaluation sees it, from step ``resume``: a generation every
+    ``updates_per_generation`` optimizer steps (TRL syncs its engine there when its step moved, and rpa
+    evaluates the starting weights at step 0), the trainer's callbacks after every optimizer step, then
+    run_train's final evaluation. Returns (step evaluated, step of the weights the sampler held) and
+    the steps the engine was synced at."""
+    from types import SimpleNamespace
+
+    from rpa.train.trl_adapter import _evaluation_callback, scheduled_evaluation
+
+    cfg = TrainConfig.from_dict({"model": "m", **BASE, "steps": steps, "eval_every": every, "rollouts": rollouts,
+                                 "updates_per_generation": updates_per_generation,
+                                 "task": {**BASE["task"], "eval_prompts": 4}})
+    state = SimpleNamespace(global_step=resume)
+    engine, evaluated, syncs = {"step": None}, [], []
+
+    def sync():
+        syncs.append(state.global_step)
+        engine["step"] = state.global_step
+
+    trainer = SimpleNamespace(rpa_config=cfg, _last_loaded_step=-1, vllm_generation=SimpleNamespace(sync_weights=sync),
+                              rpa_evaluate=lambda step: evaluated.append((step, engine["step"] if rollouts == "vllm"
+                                                                          else state.global_step)))
+    callback = _evaluation_callback(trainer)
+    for i in range(steps - resume):
+        if i % updates_per_generation == 0:  # TRL's _generate_single_turn, then rpa's scoring
+            if rollouts == "vllm" and state.global_step != trainer._last_loaded_step:
+                sync()
+                trainer._last_loaded_step = state.global_step
+            if state.global_step == 0:
+                scheduled_evaluation(trainer, 0)
+        state.global_step += 1  # the optimizer step
+        callback.on_step_end(None, state, None)
+    if every and getattr(trainer, "rpa_last_eval_step", None) != steps:  # run_train, after trainer.train()
+        if rollouts == "vllm":
+            sync()
+        trainer.rpa_evaluate(steps)
+    return evaluated, syncs
+
+
+def test_the_evaluation_runs_every_eval_every_optimizer_steps_with_several_updates_per_generation():
+    """eval_every 50 with 4 updates per generation: at 0, 50, 100, ... (a check at generation boundaries
+    alone saw only 0, 100, 200), each on the weights after that many updates, never two syncs at one step."""
+    evaluated, syncs = _evaluated(steps=200, every=50, updates_per_generation=4)
+    assert evaluated == [(0, 0), (50, 50), (100, 100), (150, 150), (200, 200)]
+    assert len(syncs) == len(set(syncs)) and {50, 150, 200} <= set(syncs)
+    assert len(syncs) == 50 + 3  # a generation's every 4 steps (100's done for its evaluation) + 50, 150, 200
+    evaluated, _ = _evaluated(steps=130, every=50, updates_per_generation=3)
+    assert [s for s, _ in evaluated] == [0, 50, 100, 130]  # and after the last step
+
+
+def test_the_evaluation_cadence_survives_a_resume_from_an_odd_checkpoint():
+    """Resumed from checkpoint 25 (4 updates per generation: generations at 25, 29, ...), the
+    evaluations still come at 50, 100, ... -- a check at generation boundaries never saw one."""
+    evaluated, syncs = _evaluated(steps=200, every=50, updates_per_generation=4, resume=25)
+    assert evaluated == [(50, 50), (100, 100), (150, 150), (200, 200)]
+    assert len(syncs) == len(set(syncs))
+    evaluated, syncs = _evaluated(steps=200, every=50, updates_per_generation=4, resume=75, rollouts="trainer")
+    assert [s for s, _ in evaluated] == [100, 150, 200] and syncs == []  # no engine: the trainer samples
+    assert _evaluated(steps=20, every=0, updates_per_generation=4) == ([], [0, 4, 8, 12, 16])
 
 
 def test_config_round_trips_every_knob():

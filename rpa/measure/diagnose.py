@@ -145,6 +145,28 @@ def recorded_options(model: str, numerics: NumericsConfig, sequences: list[list[
             "sequences_sha1": digest}
 
 
+def trainer_runs(hf, numerics: NumericsConfig, sequences: list[list[int]]) -> list[dict]:
+    """The trainer's boundary tensors (:func:`install_hooks`) of each sequence, one forward each,
+    the token ids on the model's device (cuda on a GPU machine)."""
+    import torch
+
+    from rpa.sides.trainer import trainer_context
+
+    device = next(hf.parameters()).device
+    runs = []
+    with trainer_context(numerics), torch.no_grad():
+        for ids in sequences:
+            store: dict = {}
+            handles = install_hooks(hf, "hf", store)
+            try:
+                hf(torch.tensor([ids], device=device))
+            finally:
+                for h in handles:
+                    h.remove()
+            runs.append({k: v[0] for k, v in store.items()})
+    return runs
+
+
 def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequences: list[list[int]],
                  seed: int = 0) -> dict[str, Any]:
     """Per-layer divergence over ``sequences`` (token ids); writes ``options.json``, ``layers.csv`` + ``summary.json``."""
@@ -175,19 +197,10 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     del llm
     release_memory()
 
-    from rpa.sides.trainer import load_trainer_model, trainer_context
+    from rpa.sides.trainer import load_trainer_model
 
     hf, alignment = load_trainer_model(numerics, model)
-    hf_runs = []
-    device = next(hf.parameters()).device  # the inputs go where the model is (cuda on a GPU machine)
-    with trainer_context(numerics), torch.no_grad():
-        for ids in sequences:
-            store: dict = {}
-            handles = install_hooks(hf, "hf", store)
-            hf(torch.tensor([ids], device=device))
-            for h in handles:
-                h.remove()
-            hf_runs.append({k: v[0] for k, v in store.items()})
+    hf_runs = trainer_runs(hf, numerics, sequences)
     trainer_record = alignment.describe()  # the trainer that ran, before the patch comes off
     alignment.remove()
 

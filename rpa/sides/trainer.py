@@ -208,7 +208,9 @@ def _lm_head_forward_cast(self, x: Tensor) -> Tensor:
 
 
 def _lm_head_forward_fp32(self, x: Tensor) -> Tensor:
-    """LM head in FP32 (ScaleRL; vLLM ``head_dtype=float32`` on CPU does the same casts).
+    """LM head in FP32 (ScaleRL; vLLM ``head_dtype=float32`` on CPU does the same casts; on CUDA vLLM
+    runs ``torch.mm(bf16, bf16, out_dtype=float32)`` instead: the same exact products of the same
+    BF16 values, summed by another kernel in another order, so the logits differ by FP32 rounding).
 
     With FP32 masters in compute mode the weight is first taken at the compute dtype (what an
     FSDP-style trainer gathers); in autocast mode the FP32 master is used as it is (TRL).

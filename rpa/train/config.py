@@ -112,9 +112,21 @@ class TrainConfig:
     """Tokens per LM-head + log-softmax chunk when the trainer scores completions
     (:func:`rpa.measure.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at once."""
     checkpoint_every: int = 20
+    save_total_limit: int | None = 2
+    """Checkpoints kept in the run directory (transformers' ``save_total_limit``): the newest N,
+    older ones deleted once a newer one is written. A resume needs only the newest whole one
+    (:func:`rpa.train.rundir.latest_checkpoint`); 2 keeps the one before it through a kill during a
+    save. ``null`` keeps every checkpoint (each is FP32 weights + Adam states, ~12 bytes a
+    parameter: ~7 GB at 0.6B, ~98 GB at 8B)."""
     eval_every: int = 0
-    """Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) every this many
-    steps and after the last one, into ``eval.jsonl`` (0: never)."""
+    """Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) at step 0, every this many
+    optimizer steps (whatever ``updates_per_generation``; a resumed run keeps the cadence: the sampler
+    gets the weights of the step first) and after the last one, into ``eval.jsonl`` (0: never)."""
+    eval_timeout_s: float = 7200.0
+    """Seconds the other processes of a multi-process run (FSDP2) wait for rank 0's held-out
+    evaluation, in a barrier of their own rather than in the next collective of training (whose
+    timeout, 30 min by default, one 8B evaluation of 500 prompts x 4,096 tokens, ~20 min on an
+    80 GB GPU, comes close to); past it the run fails."""
     old_logprobs: str = "trainer"
     """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
     ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
@@ -207,8 +219,16 @@ class TrainConfig:
                 f"is_correction: {self.is_correction} with old_logprobs: sampler applies the correction twice (PPO's "
                 f"ratio is then already pi / mu, and TRL multiplies the loss by its clipped pi_old / mu again); "
                 f"use one of them")
+        if self.save_total_limit is not None and (isinstance(self.save_total_limit, bool)
+                                                  or not isinstance(self.save_total_limit, int)
+                                                  or self.save_total_limit < 1):
+            raise TrainConfigError(f"save_total_limit: must be an integer >= 1 (or null: keep every checkpoint), "
+                                   f"got {self.save_total_limit!r}")
         if self.eval_every < 0:
             raise TrainConfigError("eval_every: must be >= 0")
+        if isinstance(self.eval_timeout_s, bool) or not isinstance(self.eval_timeout_s, (int, float)) \
+                or not self.eval_timeout_s > 0:
+            raise TrainConfigError(f"eval_timeout_s: must be a number > 0, got {self.eval_timeout_s!r}")
         if self.eval_every and not self.task.eval_prompts:
             raise TrainConfigError("eval_every: needs task.eval_prompts > 0")
         if self.eval_every and self.vllm_tensor_parallel_size > 1:

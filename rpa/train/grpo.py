@@ -295,8 +295,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     resume_step = int(resume.name.split("-")[-1]) if resume else 0
     eval_path = out / "eval.jsonl"
     kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps)) if main else 0
-    if main and resume_step < cfg.steps:  # an evaluation at step k runs when step k + 1 starts
-        truncate_metrics(eval_path, resume_step - 1)
+    if main and resume_step < cfg.steps:  # an evaluation at step k runs before checkpoint k is written
+        truncate_metrics(eval_path, resume_step if resume else -1)
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
     error, model, trainer, described, settings = None, None, None, None, None
@@ -304,31 +304,34 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
         _log(f"{resume.name} holds all {cfg.steps} steps; writing the summary without training")
         described = {"note": f"summary written from {resume.name}; no training in this invocation"}
     else:
-        make_llm_env(cfg.numerics, multiprocess=False)
-        _claim_rendezvous_port()
-        tokenizer = AutoTokenizer.from_pretrained(init_dir)
-        model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
-        from rpa.sides.trainer import align_for
-
-        alignment = align_for(cfg.numerics, model)
-        described = alignment.describe()
-        probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
-        probe = (probe * (cfg.sync_check.probe_tokens // max(len(probe), 1) + 1))[: cfg.sync_check.probe_tokens]
-        from rpa.train.trl_adapter import grpo_args, grpo_settings, make_trainer_class
-
-        trainer_cls = make_trainer_class()
-        args = grpo_args(cfg, out)
-        settings = grpo_settings(args)
-        trainer_init = time.perf_counter()
-        # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
-        timings.add("run_setup", trainer_init - setup_start - timings.seconds.get("init_model", 0.0))
-        trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
-                              train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                              callbacks=[_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})],
-                              rpa_config=cfg, probe_ids=probe, engines=engines)
-        timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
-        trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
+        # the engine starts in the trainer's constructor: a failure there (vLLM out of memory) is a run's
+        # failure too, with its summary
         try:
+            make_llm_env(cfg.numerics, multiprocess=False)
+            _claim_rendezvous_port()
+            tokenizer = AutoTokenizer.from_pretrained(init_dir)
+            model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
+            from rpa.sides.trainer import align_for
+
+            alignment = align_for(cfg.numerics, model)
+            described = alignment.describe()
+            probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
+            probe_tokens = cfg.sync_check.probe_tokens
+            probe = (probe * (probe_tokens // max(len(probe), 1) + 1))[:probe_tokens]
+            from rpa.train.trl_adapter import grpo_args, grpo_settings, make_trainer_class
+
+            trainer_cls = make_trainer_class()
+            args = grpo_args(cfg, out)
+            settings = grpo_settings(args)
+            trainer_init = time.perf_counter()
+            # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
+            timings.add("run_setup", trainer_init - setup_start - timings.seconds.get("init_model", 0.0))
+            callbacks = [_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})]
+            trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
+                                  train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                                  callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines)
+            timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
+            trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
             with timings.phase("train"):
                 trainer.train(resume_from_checkpoint=str(resume) if resume else None)
             if cfg.eval_every and eval_rows and getattr(trainer, "rpa_last_eval_step", None) != cfg.steps:

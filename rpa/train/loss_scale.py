@@ -30,14 +30,26 @@ class DynamicLossScale:
     skipped_steps: int = field(default=0)
 
     def unscale_(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide every gradient by the scale in place; True if any is not finite."""
-        found_inf = False
+        """Divide every gradient by the scale in place; True if any is not finite. One host sync
+        per call (the parameters' flags stay on their device until then); an FSDP2 gradient (a
+        DTensor) is checked shard by shard and the ranks agree in one all-reduce, so that every
+        rank skips the same steps."""
         inv = 1.0 / self.scale
+        finite, sharded = [], False
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(inv)
-                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
-        return found_inf
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                sharded = sharded or grad is not p.grad
+                finite.append(torch.isfinite(grad).all())
+        if not finite:
+            return False
+        device = finite[0].device
+        found = ~torch.stack([f.to(device) for f in finite]).all()
+        if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = found.float()
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        return bool(found)
 
     def update(self, found_inf: bool) -> None:
         """After a step: back off on an overflow (that step was skipped), grow after a clean run."""

@@ -166,6 +166,70 @@ def finish_rollout(out: dict[str, Any], trainer, *, old_logprobs: str, epsilon_l
     return local, bad
 
 
+def evaluation_due(step: int, every: int) -> bool:
+    """Whether the held-out evaluation (``eval_every`` = ``every``, 0: never) runs at optimizer step
+    ``step``: the starting weights (step 0) and every multiple of ``every``. Asked after every
+    optimizer step (:func:`scheduled_evaluation`), so the cadence is in optimizer steps whatever the
+    updates per generation, and a resumed run keeps it (a resume from checkpoint 25 evaluates at 50)."""
+    return every > 0 and step % every == 0
+
+
+def scheduled_evaluation(trainer, step: int) -> bool:
+    """After optimizer step ``step`` (TRL's ``global_step``, every rank): the held-out evaluation if
+    it is due and not yet done at ``step``. The sampler gets the weights after ``step`` updates first
+    (the checked sync, every rank: it is collective under FSDP2), and TRL's record of the step its
+    engine holds (``_last_loaded_step``) says so, so that a generation at the same step does not sync
+    again. Returns whether it evaluated (rank 0 writes ``eval.jsonl``, :meth:`RpaGRPOTrainer.rpa_evaluate`)."""
+    done = getattr(trainer, "rpa_last_eval_step", None)
+    if not evaluation_due(step, trainer.rpa_config.eval_every) or step == done:
+        return False
+    if trainer.rpa_config.rollouts == "vllm" and getattr(trainer, "_last_loaded_step", None) != step:
+        trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = step
+    trainer.rpa_evaluate(step)
+    trainer.rpa_last_eval_step = step  # on every rank: rank 0's record is the one written
+    return True
+
+
+def evaluation_group(timeout_s: float, holder):
+    """The process group (gloo, ``timeout_s``) in which the other processes of a multi-process run
+    wait for rank 0's held-out evaluation (:func:`wait_for_rank0`), instead of in the next collective
+    of training, whose timeout (the process group's: NCCL's 30 min by default) one evaluation can pass
+    on a slow GPU. Made on first use, by every rank together and before rank 0 evaluates (its
+    rendezvous has the default group's timeout), kept on ``holder``; None in one process."""
+    import torch.distributed as dist
+
+    if world_size() <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = getattr(holder, "_rpa_eval_group", None)
+    if group is None:
+        from datetime import timedelta
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        holder._rpa_eval_group = group
+    return group
+
+
+def wait_for_rank0(group) -> None:
+    """Every rank meets in ``group`` (:func:`evaluation_group`): the others once rank 0 is done."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
+def _evaluation_callback(trainer):
+    from transformers import TrainerCallback
+
+    class ScheduledEvaluation(TrainerCallback):
+        """The held-out evaluation after the optimizer steps it is due at (:func:`scheduled_evaluation`)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            scheduled_evaluation(trainer, state.global_step)
+
+    return ScheduledEvaluation()
+
+
 def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     """The mismatch-free BF16 arm's rollouts (``rollouts: trainer``): the trainer samples its own
     completions with its own compute path (the aligned/cast HF model, KV-cached decoding, left
@@ -247,6 +311,8 @@ def make_trainer_class():
                 self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
 
             self.rpa_evaluate = self.rpa_timings.wrap("evaluate", self.rpa_evaluate)
+            if rpa_config.eval_every:
+                self.add_callback(_evaluation_callback(self))
             if rpa_config.rollouts == "trainer":
                 self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False  # one engine: no sync
             else:
@@ -358,9 +424,20 @@ def make_trainer_class():
 
         def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
             """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
-            mean reward and accuracy, appended to ``eval.jsonl`` (rank 0)."""
-            if not self.rpa_eval_rows or not self.accelerator.is_main_process:
+            mean reward and accuracy, appended to ``eval.jsonl`` (rank 0; the other ranks wait for it,
+            :func:`evaluation_group`, up to ``eval_timeout_s``)."""
+            if not self.rpa_eval_rows:
                 return None
+            group = evaluation_group(self.rpa_config.eval_timeout_s, self)  # every rank, before rank 0 starts
+            if not self.accelerator.is_main_process:
+                wait_for_rank0(group)  # until rank 0 has evaluated
+                return None
+            try:
+                return self._rpa_evaluate_here(step)
+            finally:
+                wait_for_rank0(group)  # the other ranks go on
+
+        def _rpa_evaluate_here(self, step: int) -> dict[str, Any]:
             from vllm import SamplingParams
 
             task, rows = self.rpa_task, self.rpa_eval_rows
@@ -442,10 +519,8 @@ def make_trainer_class():
 
         def _rpa_generate_and_score(self, inputs):
             out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
-            step = self.state.global_step
-            every = self.rpa_config.eval_every
-            if every and step % every == 0 and step != getattr(self, "rpa_last_eval_step", None):
-                self.rpa_evaluate(step)  # the sampler now holds the weights after `step` updates
+            if self.state.global_step == 0:  # the starting weights, the sampler's own; later steps: the callback
+                scheduled_evaluation(self, 0)
             if out.get("sampling_per_token_logps") is None:
                 raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
             trainer = out.get("old_per_token_logps")
@@ -490,6 +565,7 @@ def grpo_args(cfg: TrainConfig, out: Path):
         temperature=cfg.temperature, max_completion_length=cfg.max_completion_length,
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
+        save_total_limit=cfg.save_total_limit,  # the newest N checkpoints; resume reads the newest
         use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
         fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=cfg.rollouts == "vllm", vllm_mode="colocate",
         vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,

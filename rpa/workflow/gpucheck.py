@@ -20,6 +20,10 @@ the number of failed steps.
   256 tokens by default: ``--many-prompts``, ``--many-samples``, ``--many-max-tokens``), every
   completion scored; reports the peak CUDA memory of the vLLM phase and of the trainer's
   scoring;
+* ``diagnose``: per-layer divergence (``rpa diagnose``: vLLM eager, then the trainer on the
+  model's device) for stock and aligned numerics on the default prompts: every boundary of every
+  layer compared, finite, and with every region aligned the first boundary (layer 0's input norm,
+  on identical embeddings) bitwise equal; reports where each first diverges;
 * ``train``: three GRPO steps (TRL + colocated vLLM, region set ``all``), every step logged;
 * ``train-fp16``: the same three steps in the FP16 arm (precision ``fp16``, stock regions,
   dynamic loss scaling): every step logged with a finite loss; reports the last loss scale and
@@ -99,6 +103,35 @@ def _probe(model: Path, out: Path) -> Result:
         return False, "regions all: " + _last_line(aligned)
     a, b = (json.loads((out / n / "summary.json").read_text())["mean_abs_dlogp"] for n in ("none", "all"))
     return b <= a, f"mean |dlogp| none {a:.3g}, all {b:.3g} (same tokens)"
+
+
+def _diagnose(model: Path, out: Path, sequences: int = 2) -> Result:
+    from rpa.measure.diagnose import BOUNDARIES, read_layers
+
+    layers = json.loads((model / "config.json").read_text()).get("num_hidden_layers", 0)
+    details = []
+    for regions in ("none", "all"):
+        run = out / regions
+        proc = _rpa("diagnose", "--model", str(model), "--regions", regions, "--out", str(run),
+                    "--sequences", str(sequences))
+        if proc.returncode or not (run / "summary.json").exists():
+            return False, f"regions {regions}: " + _last_line(proc)
+        summary = json.loads((run / "summary.json").read_text())
+        rows = read_layers(run / "layers.csv")
+        want = layers * len(BOUNDARIES) + 1
+        if len(rows) != want:
+            return False, f"regions {regions}: {len(rows)} of {want} boundaries compared"
+        if not all(math.isfinite(r["max_abs_diff"]) for r in rows):
+            return False, f"regions {regions}: a difference is not finite"
+        if regions == "all" and rows[0]["frac_bitwise_equal"] != 1.0:
+            return False, (f"regions all: layer {rows[0]['layer']} {rows[0]['boundary']} differs (bitwise share "
+                           f"{rows[0]['frac_bitwise_equal']:.3g}) on identical embeddings")
+        first = summary["first_divergence"]
+        where = "nowhere" if first is None else f"layer {first['layer']} {first['boundary']}"
+        details.append(f"{regions}: first divergence {where}, final norm mean |d| "
+                       f"{summary['final_norm']['mean_abs_diff']:.3g}")
+    kernels = summary["config"]["trainer"].get("kernels", "?")
+    return True, f"{'; '.join(details)} ({sequences} sequences; trainer kernels {kernels})"
 
 
 def measured_rpa(memory_file: str, argv: list[str]) -> int:
@@ -249,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "probe-many": lambda: _probe_many(  # sizes in the name: a probe directory refuses other options
             model, work / f"probe-many-{args.many_prompts}x{args.many_samples}x{args.many_max_tokens}",
             args.many_prompts, args.many_samples, args.many_max_tokens),
+        "diagnose": lambda: _diagnose(model, work / "diagnose"),
         "train": lambda: _train(model, work / "train"),
         "train-fp16": lambda: _train_fp16(model, work / "train-fp16"),
         "train-fsdp2-2gpu": lambda: _train_fsdp2(model, work / "train-fsdp2-2gpu"),
