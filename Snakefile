@@ -13,9 +13,12 @@
 # experiments/schema/config.schema.yaml (which also holds every default), its meaning by
 # rpa.workflow.pipeline.check_config.
 
+import sys
+
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from rpa.workflow.pipeline import check_config
+from rpa.workflow.pipeline import PipelineConfigError, check_config, schema_problem
 
 
 # The default grid, unless a complete config came with --configfile (Snakemake would
@@ -26,8 +29,13 @@ if "models" not in config:
     configfile: "experiments/config.yaml"
 
 
-validate(config, "experiments/schema/config.schema.yaml")  # also fills in the schema's defaults
-check_config(config)
+try:
+    validate(config, "experiments/schema/config.schema.yaml")  # also fills in the schema's defaults
+    check_config(config)
+except WorkflowError:  # one line naming the key, not Snakemake's schema-and-config dump
+    sys.exit(f"rpa config: error: {schema_problem(config, 'experiments/schema/config.schema.yaml')}")
+except PipelineConfigError as err:  # one line per invalid entry
+    sys.exit(f"rpa config: error: {err}")
 
 
 include: "rules/common.smk"

@@ -221,6 +221,14 @@ def _cmd_warm_start(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with an error in one line (``rpa <command>: error: ...``, exit 2) instead of the
+    usage block: the one-line form of every other refusal."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rpa.measure.diagnose import DiagnoseOptions
     from rpa.core.fieldtypes import add_arguments
@@ -228,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rpa.measure.probe import ProbeOptions
     from rpa.sides.tiny import TinySpec
 
-    parser = argparse.ArgumentParser(prog="rpa", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="rpa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)  # subcommands: the same one-line class
 
     tiny = sub.add_parser("tiny", help="build a tiny random Qwen2/Qwen3/Llama model + local tokenizer")
     tiny.add_argument("--out", required=True, help="output directory")
@@ -324,12 +332,9 @@ def _with_job_config(parser: argparse.ArgumentParser, argv: list[str] | None,
     if job is None:
         return args
     if args.config:
-        import yaml
+        from rpa.core.yamlfiles import load_yaml
 
-        try:
-            values = yaml.safe_load(open(args.config))
-        except (OSError, yaml.YAMLError) as err:
-            raise InputError(f"--config {args.config}: {err}") from None
+        values = load_yaml(args.config)  # one line naming file, line and column; duplicate keys refused
         if not isinstance(values, dict):
             raise InputError(f"--config {args.config}: expected a mapping of options")
         known = {a.dest for a in job._actions if a.dest not in ("help", "config")}
@@ -355,7 +360,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
     if args.command == "convert":
         _gguf_source(args).locate()
-        check_output(args.out, "dir")
+        check_output(args.out, "dir", command="convert")
         return
     if args.command == "prompts":
         _task_spec(args)
@@ -366,7 +371,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
         from rpa.sides.tiny import TinySpec
 
         from_args(TinySpec, args).validate()
-        check_output(args.out, "dir")
+        check_output(args.out, "dir", command="tiny")
         return
     if args.command in ("train", "warm-start"):
         from rpa.train.config import TrainConfig
@@ -379,13 +384,19 @@ def _check_inputs(args: argparse.Namespace) -> None:
         cfgs = []
         for path, out in pairs:
             cfg = TrainConfig.from_yaml(path)
+            if args.command == "warm-start" and cfg.warm_start.steps < 1:
+                raise InputError(f"{path}: warm_start.steps is {cfg.warm_start.steps}: a warm start of no steps has "
+                                 f"nothing to write (start the runs from the model itself)")
             config = check_model(cfg.model)
             context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
             limit = getattr(config, "max_position_embeddings", None)
             if args.command == "train" and limit and context > limit:
                 raise InputError(f"{path}: max_prompt_length + max_completion_length + vllm_context_slack = "
                                  f"{context} exceeds the model's max_position_embeddings ({limit})")
-            check_output(out, "dir", inputs=(cfg.model, path))
+            if args.command == "train" and cfg.sync_check.probe_tokens > context:
+                raise InputError(f"{path}: sync_check.probe_tokens {cfg.sync_check.probe_tokens} is longer than the "
+                                 f"engine's context ({context} tokens)")
+            check_output(out, "dir", inputs=(cfg.model, path), command=args.command)
             cfgs.append(cfg)
         if len(cfgs) > 1:
             from rpa.train.grpo import engine_problems
@@ -413,6 +424,10 @@ def _check_inputs(args: argparse.Namespace) -> None:
             raise InputError("attribute swaps BF16 kernels; --precision must be bf16")
     numerics.check_device()
     config = check_model(args.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if options is not None and limit and options.max_model_len > limit:
+        raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
+                         f"({limit})")
     completions = getattr(args, "completions", None)
     if options is not None and options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
@@ -426,7 +441,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
         check_token_ids(load_completions(completions), int(config.vocab_size), completions)
     check_output(args.out, "file" if args.command == "parity" else "dir",
-                 inputs=tuple(x for x in (args.model, completions) if x))
+                 inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options
 
     if args.command == "probe":

@@ -74,10 +74,16 @@ def test_dry_run_plans_the_full_grid(tmp_path):
     cfg = write_config(tmp_path, {**DEFAULT, "results": str(tmp_path / "results")})
     proc = snakemake("-n", "--cores", "2", "--quiet", "rules", "--configfile", str(cfg))
     assert proc.returncode == 0, tail(proc)
-    n_models, n_configs = len(DEFAULT["models"]), len(DEFAULT["probe"]["configs"])
+    from rpa.workflow.pipeline import model_configs
+
+    n_models = len(DEFAULT["models"])
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    assert counts["probe"] + counts["probe_sampler"] == n_models * n_configs
+    # each model its own configurations: the real model every one, the tiny parity gates none and all
+    assert counts["probe"] + counts["probe_sampler"] == sum(len(model_configs(DEFAULT, m)) for m in DEFAULT["models"])
+    assert len(model_configs(DEFAULT, "smollm2")) == len(DEFAULT["probe"]["configs"])
+    assert counts["attribute"] == len(DEFAULT["attribution"]["models"]) * len(DEFAULT["attribution"]["configs"])
+    assert counts["gguf_model"] == 1 and counts["task_prompts"] == 1
     assert counts["parity"] == n_models and counts["diagnose"] == n_models * len(DEFAULT["diagnose"]["configs"])
 
 
@@ -131,6 +137,7 @@ SMALL = {
               "configs": {"none": {"regions": "none"}, "all": {"regions": "all"},
                           "fp32": {"regions": "none", "precision": "fp32"}}},
     "diagnose": {"sequences": 2, "configs": ["all"]},
+    "attribution": {"models": [], "configs": []},
     "figures": {"format": "png", "dlogp_vs_prob_configs": ["none", "all"]},
 }
 

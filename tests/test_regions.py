@@ -4,7 +4,7 @@ from rpa.core.regions import REGIONS, RegionError, format_regions, parse_regions
 
 
 @pytest.mark.parametrize("spec,want", [
-    (None, set()), ("", set()), ("none", set()), ("NONE", set()),
+    (None, set()), ("none", set()), ("NONE", set()),
     ("all", set(REGIONS)), ("rope", {"rope"}), ("rope, swiglu", {"rope", "swiglu"}),
     ("rmsnorm,rope,swiglu", set(REGIONS)),
 ])
@@ -31,3 +31,9 @@ def test_region_label_is_the_file_system_form_of_either_representation():
     assert region_label("swiglu,rope") == region_label(frozenset({"rope", "swiglu"})) == "rope+swiglu"
     assert region_label("all") == region_label(frozenset(REGIONS)) == "all"
     assert region_label(frozenset()) == region_label("none") == "none"
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_region_set_is_refused_not_read_as_none(spec):
+    with pytest.raises(RegionError, match="empty region set.*write 'none'"):
+        parse_regions(spec)

@@ -12,6 +12,7 @@ where a list of strings is expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -62,6 +63,8 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
         number = _as_float(value)
         if number is None:
             raise FieldTypeError(f"{key}: must be a number, got {_shown(value)}")
+        if not math.isfinite(number):  # .inf / .nan are YAML numbers; no option of rpa means them
+            raise FieldTypeError(f"{key}: must be a finite number, got {_shown(value)}")
         return number
     if hint is str:
         if isinstance(value, str):
@@ -120,10 +123,22 @@ def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> No
                                 choices=f.metadata.get("choices"))
 
 
+def _finite(key: str, value: Any) -> None:
+    numbers = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+        raise FieldTypeError(f"{key}: must be a finite number, got {value!r}")
+
+
 def build(cls: type, values: dict[str, Any]) -> Any:
     """The dataclass ``cls`` from ``values`` (some or all of its fields; the dataclass fills in
-    and checks the rest); a list for a tuple field (argparse's ``nargs``, YAML) becomes the tuple."""
+    and checks the rest); a list for a tuple field (argparse's ``nargs``, YAML) becomes the tuple.
+    A non-finite number (``inf``, ``nan``: argparse's ``float`` and YAML read both) is refused."""
     hints = typing.get_type_hints(cls)
+    for k, v in values.items():
+        _finite(k, v)
+        if typing.get_origin(hints[k]) is tuple and not isinstance(v, (list, tuple)):
+            raise FieldTypeError(f"{k}: must be a list of {len(typing.get_args(hints[k]))} values, got {_shown(v)}")
+    values = typed(cls, {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})  # a count is no bool
     return cls(**{k: tuple(v) if typing.get_origin(hints[k]) is tuple else v for k, v in values.items()})
 
 

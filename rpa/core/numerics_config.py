@@ -145,6 +145,9 @@ class NumericsConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "NumericsConfig":
+        if data is not None and not isinstance(data, dict):
+            raise NumericsConfigError(f"numerics must be a mapping of {', '.join(KEYS)} (e.g. {{regions: all}}), got "
+                                      f"{data!r} ({type(data).__name__})")
         data = dict(data or {})
         unknown = sorted(set(data) - set(KEYS))
         if unknown:

@@ -19,18 +19,21 @@ class RegionError(UserError):
 def parse_regions(spec: str | None) -> frozenset[str]:
     """Parse ``none`` / ``all`` / ``rope,swiglu,...`` into a frozenset of region names.
 
-    ``None`` and the empty string mean ``none``. Unknown names, duplicates and mixing
-    ``all``/``none`` with names are errors that list the valid names.
+    ``None`` (not given) means ``none``; an empty string is an error (an empty list written where
+    a region set belongs is not silently "no region": write ``none``). Unknown names, duplicates
+    and mixing ``all``/``none`` with names are errors that list the valid names.
     """
     if spec is None:
         return frozenset()
     text = spec.strip().lower()
-    if text in ("", "none"):
+    valid = f"valid: 'none', 'all', or a comma-separated subset of {', '.join(REGIONS)}"
+    if text == "":
+        raise RegionError(f"empty region set {spec!r}; write 'none' for no aligned region ({valid})")
+    if text == "none":
         return frozenset()
     if text == "all":
         return frozenset(REGIONS)
     names = [part.strip() for part in text.split(",")]
-    valid = f"valid: 'none', 'all', or a comma-separated subset of {', '.join(REGIONS)}"
     if any(not n for n in names):
         raise RegionError(f"empty region name in {spec!r}; {valid}")
     unknown = [n for n in names if n not in REGIONS]

@@ -60,8 +60,23 @@ def check_model(spec: str) -> Any:
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"model {spec}: {err}") from None
     if path.is_dir():
-        check_checkpoint(path, spec)
+        check_causal_lm(config, spec)
+        check_checkpoint(path, spec, config)
     return config
+
+
+def check_causal_lm(config, spec: str) -> None:
+    """``config.json`` names the family's causal LM (what both engines load): not missing, not a
+    classification or QA head."""
+    from rpa.sides.trainer import ARCHITECTURES
+
+    want = f"{ARCHITECTURES[config.model_type].prefix}ForCausalLM"
+    names = getattr(config, "architectures", None)
+    if not names:
+        raise InputError(f"model {spec}: config.json names no architectures (expected [{want!r}])")
+    if want not in names:
+        raise InputError(f"model {spec}: config.json's architectures {names} is not the causal LM {want!r} both "
+                         f"engines load (a classification or QA head is trained elsewhere)")
 
 
 def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
@@ -88,46 +103,132 @@ def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
                          f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__})") from None
 
 
-def _safetensors_complete(path: Path) -> str | None:
-    """Why a ``.safetensors`` file cannot be whole (header unreadable, data cut short), or None."""
+def _ints(value: Any, count: int | None = None) -> bool:
+    return isinstance(value, list) and (count is None or len(value) == count) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+    """``({tensor: shape}, None)`` from a ``.safetensors`` file's header, or ``(None, why)`` when the
+    header cannot be read or does not describe whole tensors: not a mapping, an entry without
+    ``dtype`` / ``shape`` / ``data_offsets``, or data past the end of the file (truncated)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > size - 8:
-                return f"{path.name}: header longer than the file (truncated?)"
+                return None, f"{path.name}: header longer than the file (truncated?)"
             header = json.loads(f.read(length))
     except (struct.error, json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
-        return f"{path.name}: unreadable safetensors header ({type(err).__name__})"
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        return None, f"{path.name}: unreadable safetensors header ({type(err).__name__})"
+    if not isinstance(header, dict):
+        return None, f"{path.name}: safetensors header is a JSON {type(header).__name__}, not a mapping"
+    shapes, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or not _ints(entry.get("shape")) \
+                or not _ints(entry.get("data_offsets"), 2) or entry["data_offsets"][0] > entry["data_offsets"][1]:
+            return None, (f"{path.name}: header entry {name!r} is not a tensor description (dtype, shape, "
+                          f"data_offsets [begin, end])")
+        shapes[name] = tuple(entry["shape"])
+        end = max(end, entry["data_offsets"][1])
     if 8 + length + end > size:
-        return f"{path.name}: {size} bytes, its header needs {8 + length + end} (truncated)"
-    return None
+        return None, f"{path.name}: {size} bytes, its header needs {8 + length + end} (truncated)"
+    return shapes, None
 
 
-def check_checkpoint(path: Path, spec: str) -> None:
-    """Weights present (every shard an index names) and, for safetensors, whole by their
-    headers; a tokenizer present. Checked before any engine starts on them."""
+def _safetensors_complete(path: Path) -> str | None:
+    """Why a ``.safetensors`` file cannot be whole (header unreadable or malformed, data cut short), or None."""
+    return safetensors_header(path)[1]
+
+
+def _weight_files(path: Path, spec: str) -> list[Path]:
+    """The checkpoint's safetensors files (every shard its index names), or :class:`InputError`."""
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if not present:
         raise InputError(f"model {spec}: no weights ({' or '.join(WEIGHT_FILES[::2])}) in the directory")
+    if not present[0].startswith("model.safetensors"):  # pytorch_model.bin[.index.json] only
+        raise InputError(f"model {spec}: {present[0]} only: rpa checks a checkpoint's weights by their safetensors "
+                         f"headers before any engine starts; save it with save_pretrained(safe_serialization=True)")
     files = [path / present[0]]
     if present[0].endswith(".index.json"):
         try:
-            shards = sorted(set(json.loads(files[0].read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as err:
+            weight_map = json.loads(files[0].read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
             raise InputError(f"model {spec}: {present[0]}: unreadable index ({type(err).__name__})") from None
-        files = [path / s for s in shards]
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise InputError(f"model {spec}: {present[0]}: weight_map must map tensor names to shard file names "
+                             f"(strings)")
+        files = [path / s for s in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise InputError(f"model {spec}: {present[0]} names missing shard(s) {', '.join(missing[:3])}")
-    for f in files:
-        problem = _safetensors_complete(f) if f.suffix == ".safetensors" else None
-        if problem:
-            raise InputError(f"model {spec}: {problem}")
+    return files
+
+
+def check_tokenizer(path: Path, spec: str, vocab_size: int | None) -> None:
+    """A tokenizer present, its ``tokenizer.json`` (where it has one) readable, and no token id past
+    the embedding (``vocab_size``): a sampled id outside it would crash an engine mid-run."""
     if not (path / "tokenizer_config.json").is_file() or not any((path / t).is_file() for t in TOKENIZER_FILES):
         raise InputError(f"model {spec}: no tokenizer (tokenizer_config.json with one of "
                          f"{', '.join(TOKENIZER_FILES)}) in the directory")
+    fast = path / "tokenizer.json"
+    if not fast.is_file():
+        return
+    try:
+        data = json.loads(fast.read_text())
+        vocab = data["model"]["vocab"]
+        ids = [int(i) for i in (vocab.values() if isinstance(vocab, dict) else range(len(vocab)))]
+        ids += [int(t["id"]) for t in data.get("added_tokens") or []]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(f"model {spec}: tokenizer.json: unreadable ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:80] if str(err) else ''})") from None
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise InputError(f"model {spec}: the tokenizer has token id {max(ids)}, past the model's vocab_size "
+                         f"{vocab_size} (config.json): the embedding has no row for it")
+
+
+def check_weights_fit(config, shapes: dict[str, tuple[int, ...]], spec: str) -> None:
+    """The checkpoint's tensors are the ones the config's model has, with their shapes (names and
+    shapes from a model built on the ``meta`` device: no weights loaded). Refuses fewer layers, another
+    head_dim, Qwen2 weights under a Qwen3 config (biases, no q/k norms), a vocabulary the embedding
+    does not have."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(want) - set(shapes) - tied)
+    if missing:
+        raise InputError(f"model {spec}: the weights lack {len(missing)} tensor(s) the config's model has, e.g. "
+                         f"{missing[0]} (fewer layers, or another architecture's weights?)")
+    unexpected = sorted(k for k in set(shapes) - set(want) if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise InputError(f"model {spec}: the weights hold {len(unexpected)} tensor(s) the config's model does not, "
+                         f"e.g. {unexpected[0]} (another architecture's weights?)")
+    for name, shape in sorted(shapes.items()):
+        if name in want and want[name] != shape:
+            raise InputError(f"model {spec}: tensor {name} is {list(shape)} in the weights, {list(want[name])} for "
+                             f"the config (another head_dim, width or vocabulary?)")
+
+
+def check_checkpoint(path: Path, spec: str, config=None) -> None:
+    """Weights present (every shard an index names), whole by their safetensors headers and, with
+    ``config``, the tensors the config's model has; a tokenizer present and within the vocabulary.
+    Checked before any engine starts on them, without loading a weight."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in _weight_files(path, spec):
+        found, problem = safetensors_header(f)
+        if problem:
+            raise InputError(f"model {spec}: {problem}")
+        shapes.update(found)
+    check_tokenizer(path, spec, getattr(config, "vocab_size", None))
+    if config is not None:
+        check_weights_fit(config, shapes, spec)
 
 
 def check_token_ids(completions: list[dict[str, Any]], vocab_size: int, source: str) -> None:
@@ -145,11 +246,41 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_output(out: str | Path, kind: str, inputs: tuple[str | Path, ...] = ()) -> None:
+OUTPUT_MARKS: dict[str, tuple[str, ...]] = {
+    "train": ("metrics.jsonl", "init_model"),
+    "probe": ("tokens.csv",),
+    "diagnose": ("layers.csv",),
+    "attribute": ("ops.csv",),
+    "convert": ("rpa_source.json",),
+    "tiny": ("rpa_tiny.json",),
+    "warm-start": ("rpa_init.json",),
+}
+"""Files that only one command writes into its output directory: a directory holding another
+command's is refused (a train run into a finished probe's directory overwrote its summary)."""
+
+
+def _made_by(path: Path) -> str | None:
+    """The command whose output the directory ``path`` holds, by its files (or its options.json)."""
+    try:
+        recorded = json.loads((path / "options.json").read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded:
+        return recorded
+    return next((command for command, marks in OUTPUT_MARKS.items() if any((path / m).exists() for m in marks)),
+                None)
+
+
+def check_output(out: str | Path, kind: str, inputs: tuple[str | Path, ...] = (), command: str | None = None) -> None:
     """An output ``kind`` (``dir`` or ``file``) that can be written: not the other kind
-    already, under a writable directory (not under a file), and neither an input nor inside
-    one (``inputs``: model directories, files read)."""
+    already, not empty or a dangling link, under a writable directory (not under a file), neither an
+    input nor inside one (``inputs``: model directories, files read), and, for ``command``'s
+    directory, not holding another command's output."""
+    if str(out).strip() == "":
+        raise InputError("--out is empty: name the output path")
     path = Path(out).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"--out {out}: a symbolic link to {os.readlink(path)}, which does not exist")
     if kind == "dir" and path.exists() and not path.is_dir():
         raise InputError(f"--out {out}: is a file, not a directory")
     if kind == "file" and path.is_dir():
@@ -164,6 +295,11 @@ def check_output(out: str | Path, kind: str, inputs: tuple[str | Path, ...] = ()
         source = Path(given).expanduser().resolve()
         if source.exists() and (resolved == source or source in resolved.parents):
             raise InputError(f"--out {out}: is (or is inside) the input {given}; write the output elsewhere")
+    if kind == "dir" and command is not None and path.is_dir():
+        other = _made_by(path)
+        if other is not None and other != command:
+            raise InputError(f"--out {out}: holds the output of rpa {other}; rpa {command} writes elsewhere (use "
+                             f"another directory)")
 
 
 def check_file(path: str | Path, what: str) -> Path:

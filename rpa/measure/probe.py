@@ -89,6 +89,13 @@ class ProbeOptions:
         for name in ("prompts", "samples", "max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise InputError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens >= self.max_model_len:
+            raise InputError(f"probe option max_tokens {self.max_tokens} leaves no room for a prompt in "
+                             f"max_model_len {self.max_model_len}")
+        if not 0 <= self.seed < 2 ** 32:
+            raise InputError(f"probe option seed must be in [0, 2**32), got {self.seed}")
+        if self.full_kl_max_vocab < 0:
+            raise InputError(f"probe option full_kl_max_vocab must be >= 0 (0: never), got {self.full_kl_max_vocab}")
         if self.batch_sequences is not None and (isinstance(self.batch_sequences, bool) or self.batch_sequences < 2):
             raise InputError(f"probe option batch_sequences must be >= 2 (a padded batch), got {self.batch_sequences}")
         lo, hi = self.ratio_band

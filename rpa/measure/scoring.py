@@ -62,28 +62,34 @@ def load_completions(path: str | Path) -> list[dict[str, Any]]:
     """Completions written by :func:`save_completions` (``logp_decode`` is dropped: it
     belongs to the configuration that sampled them)."""
     path = Path(path)
+    if path.is_dir():
+        raise CompletionsError(f"{path}: is a directory, not a completions file")
     if not path.is_file():
         raise CompletionsError(f"{path}: no such file")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise CompletionsError(f"{path}: not a text file (completions are JSON lines)") from None
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                c = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CompletionsError(f"{path}:{n}: not a JSON line ({err.msg})") from None
-            if not isinstance(c, dict):
-                raise CompletionsError(f"{path}:{n}: expected a JSON object, got {type(c).__name__}")
-            missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
-            if missing:
-                raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
-                                       f"(records need seq, prompt_ids, completion_ids)")
-            if not (c["prompt_ids"] and c["completion_ids"]) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in c["prompt_ids"] + c["completion_ids"]):
-                raise CompletionsError(f"{path}:{n}: prompt_ids and completion_ids must be non-empty lists of "
-                                       f"token ids")
-            out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            c = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CompletionsError(f"{path}:{n}: not a JSON line ({err.msg})") from None
+        if not isinstance(c, dict):
+            raise CompletionsError(f"{path}:{n}: expected a JSON object, got {type(c).__name__}")
+        missing = {"seq", "prompt_ids", "completion_ids"} - set(c)
+        if missing:
+            raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
+                                   f"(records need seq, prompt_ids, completion_ids)")
+        if not (isinstance(c["prompt_ids"], list) and isinstance(c["completion_ids"], list)) or \
+                not (c["prompt_ids"] and c["completion_ids"]) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in c["prompt_ids"] + c["completion_ids"]):
+            raise CompletionsError(f"{path}:{n}: prompt_ids and completion_ids must be non-empty lists of "
+                                   f"token ids")
+        out.append({k: c[k] for k in ("seq", "prompt_ids", "completion_ids")})
     if not out:
         raise CompletionsError(f"{path}: no completions (empty file)")
     return out

@@ -16,6 +16,8 @@ from pathlib import Path
 from rpa.core.errors import InputError
 
 ARCHS = ("qwen2", "qwen3", "llama")
+MIN_CONTEXT = 64
+"""The smallest context a tiny model is built with: the probe's default prompts and a short completion."""
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -68,8 +70,13 @@ class TinySpec:
             raise InputError("qwen2 needs hidden_size == num_attention_heads * head_dim")
         if self.head_dim % 32:
             raise InputError(f"head_dim must be a multiple of 32 (vLLM CPU attention), got {self.head_dim}")
-        if not self.initializer_range > 0 or not self.rope_theta > 0:
-            raise InputError("initializer_range and rope_theta must be > 0")
+        if not 0 < self.initializer_range < float("inf") or not 0 < self.rope_theta < float("inf"):
+            raise InputError("initializer_range and rope_theta must be finite and > 0")
+        if not 0 <= self.seed < 2 ** 32:
+            raise InputError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.max_position_embeddings < MIN_CONTEXT:
+            raise InputError(f"max_position_embeddings {self.max_position_embeddings} cannot hold a prompt and a "
+                             f"completion; at least {MIN_CONTEXT}")
         if self.vocab_size < 300:
             raise InputError(f"vocab_size must be at least 300 (256 byte symbols + merges + specials), "
                              f"got {self.vocab_size}")

@@ -232,7 +232,7 @@ def register() -> None:
     _STATE["pid"] = os.getpid()
     spec = os.environ.get(ENV_VAR)
     try:
-        regions = parse_regions(spec)
+        regions = parse_regions(spec if spec and spec.strip() else None)  # unset or empty: stock vLLM
     except ValueError as err:
         _STATE["error"] = str(err)
         raise

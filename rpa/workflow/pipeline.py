@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
+from rpa.core.yamlfiles import YamlError, load_yaml
 from rpa.core.regions import RegionError, parse_regions, region_label
 
 
@@ -34,6 +35,32 @@ def _tiny_problem(spec: Any) -> str | None:
         TinySpec(**spec).validate()
     except (TypeError, ValueError) as err:
         return str(err)
+    return None
+
+
+def _path_model_problem(path: Any) -> str | None:
+    """Why a ``models.<name>.path`` entry cannot be used, checked at parse time from its
+    ``config.json`` (no weights read): a local directory that is not there or not a checkpoint, or a
+    family the aligned regions do not cover. A hub id is checked where it is loaded."""
+    from rpa.core.errors import UserError, looks_like_hub_id
+
+    if not isinstance(path, str) or not path:
+        return f"must be a local directory or a hub id, got {path!r}"
+    local = Path(path).expanduser()
+    if not local.exists():
+        return None if looks_like_hub_id(path) else f"{path}: no such directory, and not a hub id of the form org/name"
+    if not (local / "config.json").is_file():
+        return f"{path}: a directory without config.json (not a Hugging Face checkpoint)"
+    try:
+        from transformers import AutoConfig
+
+        from rpa.sides.trainer import check_config as check_family
+
+        check_family(AutoConfig.from_pretrained(str(local)))
+    except UserError as err:
+        return f"{path}: {err}"
+    except (OSError, ValueError) as err:
+        return f"{path}: its config.json cannot be read ({type(err).__name__})"
     return None
 
 
@@ -202,10 +229,38 @@ def parity_job(config: dict[str, Any], model: str, device: str) -> dict:
                  "compiled": parity_options(config).compiled, "device": device})
 
 
+def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
+    """The config's first violation of its JSON schema as one line: the key's path, what is wrong, and
+    for a misspelt key the nearest valid one (Snakemake's own message prints the whole schema and
+    config, ~840 lines for a misspelt section)."""
+    import difflib
+
+    import jsonschema
+
+    schema = load_yaml(schema_path)
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    if error is None:
+        return "the config does not match experiments/schema/config.schema.yaml"
+    where = ".".join(map(str, error.absolute_path)) or "config"
+    if error.validator == "additionalProperties":
+        allowed = list((error.schema.get("properties") or {}))
+        extra = [k for k in (error.instance or {}) if k not in allowed]
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), allowed, n=1))
+                 else repr(k) for k in extra]
+        return f"{where}: unknown key(s) {', '.join(hints)}; valid: {', '.join(allowed)}"
+    return f"{where}: {error.message.splitlines()[0][:200]}"
+
+
 def check_config(config: dict[str, Any]) -> None:
     """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``."""
     problems: list[str] = []
+    if not isinstance(config.get("results"), str) or not config["results"].strip():
+        problems.append(f"results: must be a directory path (a string), got {config.get('results')!r}")
     for name, model in (config.get("models") or {}).items():
+        if "path" in model:
+            problem = _path_model_problem(model["path"])
+            if problem:
+                problems.append(f"models.{name}.path: {problem}")
         if "tiny" in model:
             problem = _tiny_problem(model["tiny"])
             if problem:
@@ -304,7 +359,7 @@ def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     import yaml
 
     train = config["train"]
-    base = yaml.safe_load(open(train["base"]))
+    base = load_yaml(train["base"])
     points = []
     for setting, overrides in train["settings"].items():
         for regions in train["regions"]:
@@ -336,7 +391,7 @@ def _train_problems(config: dict[str, Any]) -> list[str]:
         return [f"train.model: {train['model']!r} is not a name in models"]
     try:
         points = train_points(config)
-    except (OSError, RegionError) as err:
+    except (OSError, RegionError, YamlError) as err:
         return [f"train: {err}"]
     return _invalid_runs(points, lambda p: f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']})")
 
@@ -356,7 +411,7 @@ def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     import yaml
 
     dose = config["dose"]
-    base = yaml.safe_load(open(dose["base"]))
+    base = load_yaml(dose["base"])
     model = f"{config['results']}/dose/init"
     common = {**base, "model": model, "warm_start": {**(base.get("warm_start") or {}), "steps": 0}}
     arms = [(dose_label(d), None if d in (None, "none") else int(d),
@@ -383,7 +438,7 @@ def dose_init_config(config: dict[str, Any]) -> dict[str, Any]:
     import yaml
 
     dose = config["dose"]
-    base = yaml.safe_load(open(dose["base"]))
+    base = load_yaml(dose["base"])
     return {**base, "model": model_location(config, dose["model"])}
 
 
@@ -416,7 +471,7 @@ def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     import yaml
 
     study = config["study"]
-    base = yaml.safe_load(open(study["base"]))
+    base = load_yaml(study["base"])
     points = []
     for model in study["models"]:
         sized = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
@@ -499,7 +554,7 @@ def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | No
     import yaml
 
     study = config["study"]
-    sized = deep_merge(yaml.safe_load(open(study["base"])), (study.get("sizes") or {}).get(model) or {})
+    sized = deep_merge(load_yaml(study["base"]), (study.get("sizes") or {}).get(model) or {})
     if (sized.get("warm_start") or {}).get("steps", 0) <= 0:
         return None
     return {**sized, "model": model_location(config, model)}
@@ -513,6 +568,63 @@ def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[s
     return {**res, "runtime": res["runtime"] * runs}
 
 
+def gpu_shortfall(config: dict[str, Any], lent: int | None) -> str | None:
+    """One line naming the jobs of ``config`` that need more GPUs than the machine lends
+    (``lent``: Snakemake's ``gpu`` resource, ``--resources gpu=N`` or a profile's ``resources``;
+    None: no limit, as under SLURM), or None. Snakemake would cap such a job's resource and start
+    it, and the job would then wait for GPUs the machine does not have (:mod:`rpa.workflow.gpus`)."""
+    if lent is None:
+        return None
+    needs = {"gpus_per_job": int(config.get("gpus_per_job") or 0),
+             "train.resources.gpu": int(((config.get("train") or {}).get("resources") or {}).get("gpu", 0))}
+    if config.get("study"):
+        needs.update({f"study.resources.{m}.gpu": int(study_resources(config, m)["gpu"])
+                      for m in config["study"]["models"]})
+    over = [f"{key} {count}" for key, count in needs.items() if count > lent]
+    if not over:
+        return None
+    return (f"this machine lends {lent} GPU(s) (Snakemake's gpu resource: --resources gpu=N or the profile's), "
+            f"fewer than a job needs: {', '.join(over)}; drop those sizes from study.models here, or run them "
+            f"where they fit (SLURM)")
+
+
+BYTES_PER_PARAMETER = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes of one weight as vLLM holds it, by ``numerics.precision``."""
+
+
+def study_memory_problems(config: dict[str, Any], points: list[dict[str, Any]]) -> list[str]:
+    """One line per model and arm whose colocated vLLM cannot hold its weights in its share of one
+    GPU: ``study.parameters`` x the precision's bytes (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel
+    ranks, against ``vllm_gpu_memory_utilization`` x ``study.gpu_memory_gb`` (the share vLLM takes;
+    its KV cache needs room on top). Nothing is checked where either figure is missing."""
+    from rpa.train.config import TrainConfig
+
+    study = config["study"]
+    memory, sizes = study.get("gpu_memory_gb"), study.get("parameters") or {}
+    if not memory:
+        return []
+    problems, seen = [], set()
+    for p in points:
+        if (p["model"], p["arm"]) in seen or p["model"] not in sizes:
+            continue
+        seen.add((p["model"], p["arm"]))
+        cfg = TrainConfig.from_dict(p["config"])
+        if cfg.rollouts != "vllm":  # no engine: the trainer samples
+            continue
+        precision, count = cfg.numerics.precision, sizes[p["model"]]
+        weights = count * BYTES_PER_PARAMETER[precision] / cfg.vllm_tensor_parallel_size / 1e9
+        share = cfg.vllm_gpu_memory_utilization * memory
+        if weights >= share:
+            split = f" / {cfg.vllm_tensor_parallel_size} ranks" if cfg.vllm_tensor_parallel_size > 1 else ""
+            problems.append(
+                f"study.arms.{p['arm']} ({p['model']}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
+                f"parameters x {BYTES_PER_PARAMETER[precision]} bytes{split}), do not fit its share of one "
+                f"{memory:g} GB GPU (vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization:g}: "
+                f"{share:.1f} GB); raise the arm's vllm_gpu_memory_utilization or run it on smaller sizes only "
+                f"(study.size_arms)")
+    return problems
+
+
 def _study_problems(config: dict[str, Any]) -> list[str]:
     from rpa.train.config import TrainConfig, TrainConfigError
 
@@ -524,6 +636,15 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
     problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
                  if m not in study["models"]]
     problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
+                 if m not in study["models"]]
+    reference = study.get("reference_arm", "none")
+    if reference not in study_arm_names(study):
+        import difflib
+
+        near = difflib.get_close_matches(str(reference), study_arm_names(study), n=1)
+        problems.append(f"study.reference_arm: {reference!r} is not an arm of study.arms"
+                        + (f" (did you mean {near[0]!r}?)" if near else ""))
+    problems += [f"study.parameters: {m!r} is not in study.models" for m in (study.get("parameters") or {})
                  if m not in study["models"]]
     problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
                  (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
@@ -544,6 +665,8 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
         return [f"study: {err}"]
     invalid = _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
     problems += invalid
+    if not invalid:
+        problems += study_memory_problems(config, points)
     if not invalid:  # the groups read every run's numerics
         try:
             study_groups(config)
@@ -587,7 +710,7 @@ def search_points(config: dict[str, Any], stage: str | None = None) -> list[dict
     import yaml
 
     search = config["search"]
-    base = yaml.safe_load(open(search["base"]))
+    base = load_yaml(search["base"])
     points = []
     for name, stage_cfg in (search.get("stages") or {}).items():
         if stage is not None and name != stage:
