@@ -49,7 +49,7 @@ test-fast: $(STAMP)
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit
 
-# On a CUDA machine, in the GPU install (README, "Install"), not the CPU venv: parity (eager and
+# On a CUDA machine, in the GPU install (docs/install.md), not the CPU venv: parity (eager and
 # compiled + CUDA graphs), a probe and three GRPO steps on a tiny model; PASS/FAIL per step.
 gpu-check:
 	$(PYTHON) -m rpa.workflow.gpucheck --out results/gpu-check

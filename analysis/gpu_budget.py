@@ -1,5 +1,5 @@
 """The GPU study's budget, computed from its config: ``python -m analysis.gpu_budget
-[--config experiments/study.yaml]`` prints a Markdown table (the README's) of tokens, GPU-hours
+[--config experiments/study.yaml]`` prints a Markdown table (docs/study.md's) of tokens, GPU-hours
 and wall hours per run, size and arm.
 
 Tokens per run = ``steps`` x completions per step (``prompts_per_step`` x ``num_generations``) x

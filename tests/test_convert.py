@@ -110,3 +110,21 @@ def test_the_cli_converts_and_refuses_in_one_line(tiny_gguf, tmp_path):
     assert "14 Q4_1" in proc.stdout and "dequantized to an FP32 checkpoint" in proc.stdout
     proc = run_py(["-m", "rpa.cli", "convert", "--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "y")])
     assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr, tail(proc)
+
+
+def test_every_result_names_the_converted_models_source(tiny_gguf, tmp_path):
+    """provenance(model) carries the conversion's record (package, version, sha256, tensor types,
+    dequantized), and a warm start's record leads back to it."""
+    from rpa.core.provenance import model_source, provenance
+
+    out = tmp_path / "converted"
+    record = convert_gguf(GgufSource(file=str(tiny_gguf["path"])), out)
+    source = provenance(out)["model_source"]
+    assert source["kind"] == "gguf" and source["sha256"] == record["sha256"] and source["dequantized"] is True
+    assert source["tensor_types"] == record["tensor_types"]
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "rpa_init.json").write_text(json.dumps({"source": str(out), "warm_start_losses": []}))
+    assert model_source(init)["source"]["sha256"] == record["sha256"]
+    assert model_source(tmp_path / "elsewhere") == {"path": str(tmp_path / "elsewhere")}
+    assert "model_source" not in provenance()

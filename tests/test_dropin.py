@@ -169,7 +169,7 @@ def test_every_supported_class_aligns(tiny_dirs, arch, cls_name):
 
 
 def test_the_rope_table_buffer_stays_out_of_checkpoints_and_leaves_with_the_patch(tiny_dirs, tmp_path):
-    """What the README says of ``rpa_cos_sin_bits``: listed by named_buffers(), absent from the
+    """What docs/known-behaviour.md says of ``rpa_cos_sin_bits``: listed by named_buffers(), absent from the
     state dict and a saved checkpoint, gone once the alignment is removed."""
     from safetensors import safe_open
 

@@ -39,7 +39,37 @@ def git_dirty(path: str | Path | None = None) -> bool | None:
     return bool(res.stdout.strip()) if res is not None and res.returncode == 0 else None
 
 
-def provenance() -> dict:
+MODEL_NOTES = ("rpa_source.json", "rpa_tiny.json", "rpa_init.json")
+"""What rpa writes into a checkpoint it makes: a conversion's source (``rpa convert``: package,
+version, sha256, tensor types, dequantized), a tiny model's spec, a warm start's source model."""
+
+
+def model_source(model: str | Path | None, depth: int = 3) -> dict | None:
+    """Where a checkpoint came from, as rpa recorded it: ``{"path", "kind", ...}`` from its note
+    (a warm start's followed to the model it started from), or ``{"path"}`` for a checkpoint rpa did
+    not make (a hub id, a user's directory)."""
+    import json
+
+    if model is None:
+        return None
+    path = Path(str(model))
+    for name in MODEL_NOTES:
+        note = path / name
+        if note.is_file():
+            try:
+                data = json.loads(note.read_text())
+            except (OSError, ValueError):
+                return {"path": str(model), "note": name, "error": "unreadable"}
+            if name == "rpa_init.json":  # a warm start (or a run's init_model): the model it started from
+                source = data.get("source")
+                return {"path": str(model), "kind": "warm-start", "source": model_source(source, depth - 1)
+                        if depth > 0 else source}
+            kind = "tiny" if name == "rpa_tiny.json" else data.get("kind", "converted")
+            return {"path": str(model), "kind": kind, **{k: v for k, v in data.items() if k != "schema"}}
+    return {"path": str(model)}
+
+
+def provenance(model: str | Path | None = None) -> dict:
     import torch
 
     from rpa.core.ops import backend_report
@@ -53,4 +83,5 @@ def provenance() -> dict:
         "kernels": backend_report(),
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
+        **({"model_source": model_source(model)} if model is not None else {}),
     }

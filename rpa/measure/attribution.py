@@ -374,7 +374,7 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
         _log(f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done
     t0 = time.time()
-    started = provenance()
+    started = provenance(model)
     completions = load_completions(completions_path)[: options.sequences]
     _log(f"{model}: {numerics.to_dict()}, {len(completions)} sequences, rungs {', '.join(RUNGS)}")
     llm = make_llm(model, numerics, enforce_eager=True, multiprocess=False, seed=options.seed,

@@ -182,7 +182,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
         log("diagnose", f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done
     t0 = time.time()
-    started = provenance()  # the code that ran is the code at the start
+    started = provenance(model)  # the code that ran is the code at the start
     log("diagnose", f"{model}: {numerics.to_dict()}, {len(sequences)} sequences")
     llm = make_llm(model, numerics, enforce_eager=True, seed=seed, enable_prefix_caching=False)
     llm.collective_rpc(_worker_install)

@@ -7,7 +7,7 @@ the trainer's ``rpa::*`` ops otherwise) and compared bitwise. Captures need the 
 Python bodies to run, which CUDA-graph replays skip: the replay engine never uses CUDA
 graphs, and a compiled engine is checked as a whole by eager-vs-compiled logprob
 equality. A region with no captured call fails. The report (schema ``rpa.parity/1``, see
-README) also carries the whole-model logprob gap, for information: matmul and attention
+docs/results.md) also carries the whole-model logprob gap, for information: matmul and attention
 kernels are not aligned and keep it above zero.
 """
 
@@ -199,7 +199,7 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
     replay_engine = "compiled, CUDA graphs off" if compiled and cuda else "compiled" if compiled else "eager"
     report: dict[str, Any] = {"schema": SCHEMA, "model": str(model_dir), "regions": format_regions(regions),
                               "mode": "compiled" if compiled else "eager", "trainer_dtype": trainer_dtype,
-                              "device": device, "replay_engine": replay_engine, "provenance": provenance()}
+                              "device": device, "replay_engine": replay_engine, "provenance": provenance(model_dir)}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = token_batch(tokenizer)
     no_graphs = {"compilation_config": {"cudagraph_mode": "NONE"}} if compiled and cuda else {}

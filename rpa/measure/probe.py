@@ -143,7 +143,7 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         _log(f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done
     t0 = time.time()
-    started = provenance()  # the code that ran is the code at the start
+    started = provenance(model)  # the code that ran is the code at the start
     hf_config = AutoConfig.from_pretrained(model)
     vocab = int(hf_config.vocab_size)
     full = vocab <= options.full_kl_max_vocab

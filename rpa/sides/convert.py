@@ -36,7 +36,8 @@ from rpa.core.errors import InputError
 
 SCHEMA = "rpa.model-source/1"
 SOURCE_FILE = "rpa_source.json"
-"""The provenance record a converted checkpoint carries (read into every result's provenance)."""
+"""The provenance record a converted checkpoint carries (:func:`rpa.core.provenance.model_source` puts
+it into every result's ``provenance.model_source``)."""
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     if age is not None:
         timings.add("process_start_to_run", age)  # interpreter start, imports, CLI (or since the previous run)
 
-    started = provenance()  # the code that ran is the code at the start
+    started = provenance(cfg.model)  # the code that ran is the code at the start; the model it trained
 
     from transformers import AutoTokenizer
 
