@@ -194,6 +194,11 @@ def filter_prompts(rows: list[dict[str, Any]], tokenizer, max_prompt_length: int
 
 
 
+RENDEZVOUS_ATTEMPTS = 3
+"""Times a single-process run builds its trainer when the port it claimed was taken before vLLM bound
+it (another process's claim or bind in between: seen in a 2-job grid beside a test run)."""
+
+
 def _claim_rendezvous_port() -> None:
     """Give this single-process run its own torch.distributed port.
 
@@ -327,9 +332,19 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
             timings.add("run_setup", trainer_init - setup_start - timings.seconds.get("init_model", 0.0))
             callbacks = [_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})]
-            trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
-                                  train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                                  callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines)
+            for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+                try:
+                    trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
+                                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                                          callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines)
+                    break
+                except Exception as err:  # noqa: BLE001 - only a lost race for the port is retried
+                    if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS or world_size() > 1:
+                        raise
+                    _log(f"the rendezvous port was taken between claiming and binding it (attempt {attempt}): "
+                         f"claiming another")
+                    os.environ["MASTER_PORT"] = "0"
+                    _claim_rendezvous_port()
             timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
             trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
             with timings.phase("train"):
