@@ -9,7 +9,10 @@ own column, never as stable) or ``collapsed``; grad-norm spikes and recoveries a
 beside them. Writes
 
 * ``dose_runs.csv`` -- one row per run (:data:`RUN_COLUMNS`), with its verdict under each
-  variation of :func:`rpa.train.collapse.sensitivity_settings`;
+  variation of :func:`rpa.train.collapse.sensitivity_settings`, the rule version that produced
+  it (``rule_version``), whether the run's ``summary.json`` holds an earlier rule's different
+  verdict (``summary_superseded``), and beside the smoothed final reward the raw terminal reward
+  and the absorbing end state (:func:`rpa.train.collapse.terminal_state`);
 * ``dose.csv`` -- one row per arm x correction x old logprobs (means over seeds);
 * ``dose_sensitivity.csv`` -- per arm x correction x old logprobs, the collapsed (and
   unconfirmed) counts under each variation of the collapse thresholds;
@@ -51,7 +54,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.train.collapse import CollapseThresholds, rule_text, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text, run_verdict,  # noqa: E402
+                                 sensitivity, sensitivity_settings, summary_superseded)
 from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 MISMATCH_STEPS = 4
@@ -90,7 +94,8 @@ def invalid_setting(correction: str, old: str) -> bool:
 RUN_COLUMNS = ("arm", "dose_bits", "is_correction", "old_logprobs", "seed", "invalid", "status", "verdict",
                "collapsed",
                "collapse_step", "unconfirmed_drop_step", "recovered_step", "grad_spikes", "first_grad_spike_step",
-               "max_grad_spike_factor", "steps", "peak_reward", "final_reward", "final_eval_accuracy",
+               "max_grad_spike_factor", "steps", "peak_reward", "final_reward", "terminal_reward", "absorbing",
+               "rule_version", "summary_superseded", "final_eval_accuracy",
                "final_eval_reward", "mismatch_steps", *MISMATCH_COLUMNS, "pre_drop_mean_abs_dlogp",
                "all_steps_mean_abs_dlogp", "clip_ratio", "sync_over_tolerance_steps",
                *(sensitivity_column(label) for label in SENSITIVITY_LABELS))
@@ -135,7 +140,9 @@ def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
             verdict = run_verdict(metrics, thresholds, summary)
             row.update({k: verdict.get(k) for k in (
                 "verdict", "collapsed", "collapse_step", "unconfirmed_drop_step", "recovered_step", "grad_spikes",
-                "first_grad_spike_step", "max_grad_spike_factor", "steps", "peak_reward", "final_reward")})
+                "first_grad_spike_step", "max_grad_spike_factor", "steps", "peak_reward", "final_reward",
+                "terminal_reward", "absorbing", "rule_version")})
+            row["summary_superseded"] = summary_superseded(summary, verdict)
             row.update({sensitivity_column(label): v for label, v in sensitivity(metrics, thresholds, summary).items()})
         if metrics:
             m = pd.DataFrame(metrics)
@@ -161,7 +168,9 @@ def counted(runs: pd.DataFrame) -> pd.DataFrame:
     spikes = pd.to_numeric(runs["grad_spikes"], errors="coerce") if "grad_spikes" in runs else \
         pd.Series(np.nan, index=runs.index)
     recovered = runs["recovered_step"].notna() if "recovered_step" in runs else pd.Series(False, index=runs.index)
+    absorbing = runs["absorbing"] if "absorbing" in runs else pd.Series(False, index=runs.index)
     return runs.assign(collapsed=runs["collapsed"].astype("boolean").fillna(False).astype(int),
+                       absorbing=absorbing.astype("boolean").fillna(False).astype(int),
                        unconfirmed=(verdict == "unconfirmed").astype(int), recovered=recovered.astype(int),
                        grad_spikes=spikes.fillna(0).astype(int), grad_spike_runs=(spikes.fillna(0) > 0).astype(int))
 
@@ -191,7 +200,10 @@ def groups(runs: pd.DataFrame) -> pd.DataFrame:
                 mean_abs_dlogp=("mean_abs_dlogp", "mean"), **extra,
                 seq_log_ratio_mean_abs=("seq_log_ratio_mean_abs", "mean"),
                 phantom_clip_rate=("phantom_clip_rate", "mean"), final_reward=("final_reward", "mean"),
-                final_reward_sd=("final_reward", "std"), final_eval_accuracy=("final_eval_accuracy", "mean"),
+                final_reward_sd=("final_reward", "std"),
+                **({"terminal_reward": ("terminal_reward", "mean"), "absorbing": ("absorbing", "sum")}
+                   if "terminal_reward" in ok else {}),
+                final_eval_accuracy=("final_eval_accuracy", "mean"),
                 final_eval_accuracy_sd=("final_eval_accuracy", "std")).reset_index()
     out["collapse_fraction"] = out["collapsed"] / out["runs"]
     missing = runs[runs["status"] == "missing"].groupby(["arm", "is_correction", "old_logprobs"]).size()
@@ -199,6 +211,7 @@ def groups(runs: pd.DataFrame) -> pd.DataFrame:
                            zip(out["arm"], out["is_correction"], out["old_logprobs"])]
     out["mismatch_steps"] = mismatch_steps_of(runs)
     out["invalid"] = [invalid_setting(c, o) for c, o in zip(out["is_correction"], out["old_logprobs"])]
+    out["rule_version"] = RULE_VERSION
     return out.sort_values(["is_correction", "old_logprobs", "mean_abs_dlogp"]).reset_index(drop=True)
 
 
@@ -453,8 +466,8 @@ def _sensitivity_markdown(sens: pd.DataFrame, sens_th: pd.DataFrame) -> str:
     for label in SENSITIVITY_LABELS:
         show[label] = [f"{c}/{n}" + (f" (+{u} unc.)" if u else "") for c, u, n in
                        zip(show[f"collapsed[{label}]"], show[f"unconfirmed[{label}]"], show["runs"])]
-    flagged = (sens[["collapsed", "unconfirmed"] + [c for c in sens if c.startswith(("collapsed[", "unconfirmed["))]]
-               .sum(axis=1) > 0)
+    show["runs of"] = [f"{a}/{c}-{o}" for a, c, o in zip(show["arm"], show["is_correction"], show["old_logprobs"])]
+    flagged = listed(sens)
     curves = []
     for (correction, old), rows in sens_th.groupby(["is_correction", "old_logprobs"], sort=False):
         cells = []
@@ -465,13 +478,24 @@ def _sensitivity_markdown(sens: pd.DataFrame, sens_th: pd.DataFrame) -> str:
                      f"{r['low']:.2g}-{r['high']:.2g}" if r["kind"] == "bracket" else r["kind"])
             cells.append(f"{r['variation']}: {r['collapsed']}/{r['runs']} ({where})")
         curves.append(f"- IS {correction}, old={old}: " + "; ".join(cells) + ".")
-    return ("Collapsed count (and unconfirmed) per arm under the run's own thresholds and under each variation of "
+    left = sens.loc[~flagged]
+    return ("Collapsed count (and unconfirmed) per arm x IS correction x old logprobs (one row per run folder "
+            "`dose/<arm>/<IS>-<old>/`) under the run's own thresholds and under each variation of "
             "them (`rpa.train.collapse.sensitivity_settings`: drop fraction 0.4/0.5/0.6 at the run's persistence "
-            "window; the run's drop fraction at half and twice that window). Arms not listed: 0 collapsed and "
-            "0 unconfirmed under every variation (all arms: `dose_sensitivity.csv`).\n\n"
-            + show.loc[flagged, ["arm", "is_correction", "old_logprobs", *labels]].to_markdown(index=False)
+            f"window; the run's drop fraction at half and twice that window). Listed: the {int(flagged.sum())} of "
+            f"{len(sens)} run folders with a collapsed or unconfirmed run under the rule or any variation; the other "
+            f"{len(left)} ({int(left['runs'].sum())} runs) have 0 collapsed and 0 unconfirmed under every "
+            "variation (all of them: `dose_sensitivity.csv`).\n\n"
+            + show.loc[flagged, ["runs of", *labels]].to_markdown(index=False)
             + "\n\nPer curve (dose arms), collapsed/judged runs and the half-collapse threshold (point estimate, "
               "or bracket where the runs separate) under each variation:\n\n" + "\n".join(curves))
+
+
+def listed(sens: pd.DataFrame) -> pd.Series:
+    """The rows of the sensitivity table that ``dose.md`` lists: a collapsed or unconfirmed run
+    under the run's own thresholds or under any variation."""
+    counts = sens[["collapsed", "unconfirmed"] + [c for c in sens if c.startswith(("collapsed[", "unconfirmed["))]]
+    return counts.apply(pd.to_numeric, errors="coerce").fillna(0).sum(axis=1) > 0
 
 
 def collapse_rule(results: Path) -> str:
@@ -483,6 +507,19 @@ def collapse_rule(results: Path) -> str:
     return rule_text(CollapseThresholds(**json.loads(found.pop())))
 
 
+def _superseded_text(runs: pd.DataFrame) -> str:
+    """Which runs' ``summary.json`` verdicts (an earlier rule's) these tables supersede."""
+    if "summary_superseded" not in runs:
+        return ""
+    old = runs[runs["summary_superseded"].astype("boolean").fillna(False).astype(bool)]
+    if old.empty:
+        return "every run's `summary.json` verdict agrees with it."
+    names = ", ".join(f"{a}/{c}-{o}/seed{s}" for a, c, o, s in
+                      zip(old["arm"], old["is_correction"], old["old_logprobs"], old["seed"]))
+    return (f"the `summary.json` of {len(old)} runs holds a verdict written by the trainer under an earlier rule that "
+            f"differs from this one (`summary_superseded`; the tables' verdict is the one to read): {names}.")
+
+
 def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, th: pd.DataFrame, anchors: pd.DataFrame,
              sens: pd.DataFrame | None = None, sens_th: pd.DataFrame | None = None, rule: str = "") -> str:
     k = mismatch_steps_of(runs)
@@ -490,14 +527,16 @@ def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, th: pd.DataFrame, anch
     names = {"mean_abs_dlogp": f"mean abs dlogp, steps 1-{k}", "seq_log_ratio_mean_abs": f"seq log ratio, steps 1-{k}",
              "phantom_clip_rate": f"phantom clip, steps 1-{k}", "kl_k3": f"kl k3, steps 1-{k}",
              "pre_drop_mean_abs_dlogp": "mean abs dlogp, pre-drop", "all_steps_mean_abs_dlogp":
-             "mean abs dlogp, all steps", "mismatch_steps": "K"}
+             "mean abs dlogp, all steps", "mismatch_steps": "K", "final_reward": "final reward (smoothed)",
+             "terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps"}
     cols = ["arm", "is_correction", "old_logprobs", "runs", "collapsed", "unconfirmed", "recovered",
             "grad_spike_runs", "missing_runs", "mean_abs_dlogp", "pre_drop_mean_abs_dlogp", "all_steps_mean_abs_dlogp",
-            "seq_log_ratio_mean_abs", "phantom_clip_rate", "final_reward", "final_reward_sd", "final_eval_accuracy"]
+            "seq_log_ratio_mean_abs", "phantom_clip_rate", "final_reward", "final_reward_sd", "terminal_reward",
+            "absorbing", "final_eval_accuracy"]
     run_cols = ["arm", "is_correction", "old_logprobs", "seed", "status", "verdict", "collapse_step",
                 "unconfirmed_drop_step", "recovered_step", "grad_spikes", "first_grad_spike_step", "mean_abs_dlogp",
                 "pre_drop_mean_abs_dlogp", "all_steps_mean_abs_dlogp", "phantom_clip_rate", "peak_reward",
-                "final_reward", "final_eval_accuracy"]
+                "final_reward", "terminal_reward", "absorbing", "summary_superseded", "final_eval_accuracy"]
     first = earliest_collapse_step(runs)
     window = (f"The dose (x-axis) is the **{dose}** of `mismatch/mean_abs_dlogp` (K = {k}, `--mismatch-steps`; the "
               f"other mismatch columns over the same window), the same early window for every run: a collapsing "
@@ -511,7 +550,13 @@ def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, th: pd.DataFrame, anch
     return ("## Dose-response (positive control)\n\nSampler-only perturbation (`perturb-mantissa<K>`: the "
             "sampler's region outputs rounded to K mantissa bits), mismatch measured in training. " + window
             + "\n\nVerdicts recomputed from `metrics.jsonl` (`stable` / `unconfirmed` / `collapsed`; grad-norm "
-              "spikes are events, not collapses). " + rule
+              "spikes are events, not collapses) under collapse rule " + RULE_VERSION
+            + " (`rpa.train.collapse.RULE_VERSION`, column `rule_version`): "
+            + _superseded_text(runs) + " " + rule
+            + f" Beside the smoothed final reward, the raw reward of each run's last {TERMINAL_STEPS} logged steps, "
+              "and `absorbing`: runs that end with a raw reward about 0 in groups without reward variance "
+              f"(`rpa.train.collapse.terminal_state`; {int(pd.Series(runs.get('absorbing')).fillna(False).astype(bool).sum())} "
+              "here), whatever the rule says."
             + "\n\n### Threshold\n\nHalf-collapse dose per curve (dose arms: bf16-none and perturb-mantissa*, "
               "each curve with its own IS correction and old-logprob setting), from a logistic fit on "
               f"log10({dose}); profile-likelihood 95% interval (a side that reaches the smallest or largest dose "
@@ -538,9 +583,71 @@ of the axis height (old=sampler upper half, solid; old=trainer lower half, dashe
 hides the other."""
 
 
-def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path) -> None:
+def _intervals(runs: pd.DataFrame | None, curve: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per point of ``curve`` (one arm of one setting), the 95% interval of ``col``: exact
+    (Clopper-Pearson) for the collapse fraction, a t-interval over the seeds for the rest."""
+    from analysis.collapse_search import clopper_pearson
+    from analysis.paired import t975
+
+    if runs is None:
+        return None
+    low, high = [], []
+    for _, point in curve.iterrows():
+        of = counted(runs[(runs["status"] != "missing") & (runs["arm"] == point["arm"])
+                          & (runs["is_correction"] == point["is_correction"])
+                          & (runs["old_logprobs"] == point["old_logprobs"])])
+        if col == "collapse_fraction":
+            lo, hi = clopper_pearson(int(of["collapsed"].sum()), len(of))
+        else:
+            v = pd.to_numeric(of[col], errors="coerce").dropna()
+            half = t975(len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else np.nan
+            lo, hi = v.mean() - half, v.mean() + half
+            if col == "final_reward":
+                lo, hi = max(lo, 0.0), min(hi, 1.0)
+            lo = max(lo, 0.0)
+        low.append(lo)
+        high.append(hi)
+    return np.array(low, dtype=float), np.array(high, dtype=float)
+
+
+def _fit_curve(ax, runs: pd.DataFrame | None, th: pd.DataFrame | None, correction: str, old: str, color,
+               style: str) -> None:
+    """On the collapse-fraction panel: the curve's logistic fit (``logit p = a + b log10 x``) over
+    the doses tried and its half-collapse dose x50, or the bracket where the runs separate."""
+    if runs is None or th is None:
+        return
+    row = th[(th["is_correction"] == correction) & (th["old_logprobs"] == old)]
+    if row.empty:
+        return
+    t = row.iloc[0]
+    if t["kind"] == "logistic":
+        d = dose_arms(runs)
+        d = d[(d["is_correction"] == correction) & (d["old_logprobs"] == old)].dropna(subset=["mean_abs_dlogp"])
+        d = d[d["verdict"] != "unconfirmed"]
+        x = np.log10(d["mean_abs_dlogp"].to_numpy(float))
+        fit = _logistic_fit(x, d["collapsed"].astype(bool).to_numpy(float))
+        if fit is None:
+            return
+        grid = np.linspace(x.min(), x.max(), 200)
+        ax.plot(10 ** grid, 1 / (1 + np.exp(-(fit[0] + fit[1] * grid))), style, color=color, lw=0.9, alpha=0.6)
+        ax.plot([t["estimate"]], [0.5], marker="x", ms=9, mew=2, color=color, ls="none")
+        ax.annotate(f"x50 = {t['estimate']:.2g}", (t["estimate"], 0.5), xytext=(6, -12), textcoords="offset points",
+                    fontsize=10, color=color)
+        if pd.notna(t["low"]) or pd.notna(t["high"]):
+            lo = t["low"] if pd.notna(t["low"]) else 10 ** x.min()
+            hi = t["high"] if pd.notna(t["high"]) else 10 ** x.max()
+            ax.plot([lo, hi], [0.5, 0.5], color=color, lw=3, alpha=0.35, solid_capstyle="butt")
+    elif t["kind"] == "bracket":
+        ax.plot([t["low"], t["high"]], [0.5, 0.5], color=color, lw=3, alpha=0.35, solid_capstyle="butt")
+
+
+def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path, runs: pd.DataFrame | None = None,
+           th: pd.DataFrame | None = None) -> None:
     """Fig. 5: collapse fraction, final reward and phantom-clip rate vs the early-window dose,
-    sized for a paper's text width (12 x 3.8 in, fonts scaled to read at about half size)."""
+    sized for a paper's text width (12 x 3.8 in, fonts scaled to read at about half size). With
+    ``runs``, each point has its 95% interval (exact for the collapse fraction, a t-interval over
+    the seeds otherwise); with ``th`` too, the collapse panel shows each curve's logistic fit
+    and its x50 (a bar: its profile-likelihood interval, or the bracket of separated runs)."""
     k = per_group["mismatch_steps"].dropna()
     k = int(k.iloc[0]) if len(k) else None
     dose = window_text(k)
@@ -554,6 +661,13 @@ def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path) -> None:
             (line,) = ax.plot(curve["mean_abs_dlogp"], curve[col], OLD_STYLES.get(old, ":"), color=color, marker="o",
                               ms=5, lw=1.6, mfc=color if old == "sampler" else "white",
                               label=f"{IS_NAMES.get(correction, correction)}, old={old}")
+            bounds = _intervals(runs, curve, col)
+            if bounds is not None:
+                y = curve[col].to_numpy(float)
+                ax.errorbar(curve["mean_abs_dlogp"], y, yerr=[np.clip(y - bounds[0], 0, None),
+                                                              np.clip(bounds[1] - y, 0, None)],
+                            fmt="none", ecolor=color, elinewidth=0.8, capsize=2, alpha=0.7)
+        _fit_curve(axes[0], runs, th, correction, old, color, OLD_STYLES.get(old, ":"))
         handles.append(line)
     shown = anchors[anchors["arm"].isin(ANCHOR_COLORS) & (anchors["is_correction"] == "off")]
     anchor_handles = {}
@@ -563,7 +677,8 @@ def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path) -> None:
             anchor_handles[a["arm"]] = ax.axvline(a["mean_abs_dlogp"], ymin=low, ymax=high, lw=1.4,
                                                   color=ANCHOR_COLORS[a["arm"]], ls=OLD_STYLES.get(a["old_logprobs"]),
                                                   label=a["arm"])
-    titles = ["collapse fraction", "final reward (smoothed)",
+    titles = ["collapse fraction (bars: exact 95%; fit, x50)" if runs is not None else "collapse fraction",
+              "final reward (smoothed; bars: 95% t)" if runs is not None else "final reward (smoothed)",
               "phantom-clip rate" + ("" if k is None else f", steps 1-{k}")]
     lo = shown["mean_abs_dlogp"].min() if len(shown) else np.nan
     for ax, title in zip(axes, titles):
@@ -612,7 +727,7 @@ def main() -> None:
     write_text(args.out_dir / "dose.md", markdown(runs, per_group, th, anchors, sens, sens_th,
                                                    collapse_rule(args.results)))
     args.figure.parent.mkdir(parents=True, exist_ok=True)
-    figure(per_group, anchors, args.figure)
+    figure(per_group, anchors, args.figure, runs, th)
     print("\n".join(statement(th, anchors)))
 
 

@@ -43,7 +43,8 @@ TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv
                           for ext in ("csv", "md", "json")),
           "pipeline": ("probe.csv", "probe.md", "diagnose.csv", "attribution.csv", "attribution.md",
                        "attribution_ops.csv")}
-FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_mismatch_curves", "study_heatmap", "mismatch"),
+FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_accuracy", "study_mismatch_curves",
+                                                 "study_heatmap", "mismatch"),
            "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever")),
            "pipeline": ("mismatch", "dlogp_vs_prob", "layers", "attribution")}
 

@@ -3,7 +3,8 @@
 * ``mismatch``: mean |dlogp| per numerics configuration (log scale), one panel per model
   (two per row, in the config's model order: ``--models``, else the study manifest's, else
   the probe table's), blue bars vLLM vs trainer at batch 1, orange bars beside them the
-  trainer's own padded-batch-vs-batch-1 variance;
+  trainer's own padded-batch-vs-batch-1 variance, each bar with its 95% interval (a bootstrap
+  over the probe's sequences of the token-mean, from ``tokens.csv``, where the probe wrote one);
 * ``dlogp_vs_prob``: mean |dlogp| against the sampling probability of the token (binned
   by log10 p), one line per configuration, from the per-token tables;
 * ``layers``: per-layer, per-region-boundary mean |diff| of hidden states, vLLM vs trainer.
@@ -37,6 +38,38 @@ def save_grid(grid, path: Path, title: str | None = None) -> None:
 
 GAPS = {"mean_abs_dlogp": ("vLLM vs trainer (batch 1)", "tab:blue"),
         "batch_vs_single_mean_abs_dlogp": ("trainer: padded batch vs batch 1", "tab:orange")}
+GAP_TOKENS = {"mean_abs_dlogp": ("logp_trainer", "logp_sampler"),
+              "batch_vs_single_mean_abs_dlogp": ("logp_trainer_batch", "logp_trainer")}
+"""The two ``tokens.csv`` columns whose absolute difference is each gap's per-token |dlogp|."""
+FIGURE_BOOTSTRAP = 2000
+"""Resamples of a bar's interval (a figure's error bar, not a reported bound)."""
+
+
+def bar_interval(tokens: pd.DataFrame, a: str, b: str, resamples: int = FIGURE_BOOTSTRAP,
+                 seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the token-mean |tokens[a] - tokens[b]|, bootstrapping sequences."""
+    d = (tokens[a] - tokens[b]).abs()
+    per = pd.DataFrame({"seq": tokens["seq"], "d": d}).groupby("seq")["d"].agg(["sum", "size"])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(per), (resamples, len(per)))
+    boot = per["sum"].to_numpy()[idx].sum(1) / per["size"].to_numpy()[idx].sum(1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def bar_intervals(results: Path, probe: pd.DataFrame) -> dict[tuple[str, str, str], tuple[float, float]]:
+    """(model, config, gap) -> the bar's interval, for every probe with a ``tokens.csv`` holding
+    the gap's columns."""
+    out = {}
+    for model, config in zip(probe["model"], probe["config"]):
+        path = results / "probe" / model / config / "tokens.csv"
+        if not path.exists():
+            continue
+        tokens = pd.read_csv(path)
+        for gap, (a, b) in GAP_TOKENS.items():
+            if {a, b, "seq"} <= set(tokens) and len(tokens):
+                out[(model, config, gap)] = bar_interval(tokens, a, b)
+    return out
 
 
 def model_order(results: Path, present: list[str], models: list[str] | None = None) -> list[str]:
@@ -49,14 +82,27 @@ def model_order(results: Path, present: list[str], models: list[str] | None = No
     return [m for m in models if m in present] + [m for m in present if m not in models]
 
 
-def mismatch_figure(probe: pd.DataFrame, path: Path, models: list[str] | None = None) -> None:
+def mismatch_figure(probe: pd.DataFrame, path: Path, models: list[str] | None = None,
+                    results: Path | None = None) -> None:
+    """The probe's bars per model (see the module doc); with ``results``, each bar's 95% interval."""
+    intervals = bar_intervals(results, probe) if results is not None else {}
     long = probe.melt(id_vars=["model", "config"], value_vars=list(GAPS), var_name="gap", value_name="mean |dlogp|")
     long["gap"] = long.gap.map({k: name for k, (name, _) in GAPS.items()})
     order, configs = models or list(dict.fromkeys(probe["model"])), list(dict.fromkeys(probe["config"]))
     grid = sns.catplot(data=long, kind="bar", x="config", y="mean |dlogp|", hue="gap", col="model",
                        col_order=order, col_wrap=min(2, len(order)), order=configs,
                        palette={name: colour for name, colour in GAPS.values()}, height=2.6, aspect=1.45,
-                       sharex=True)
+                       sharex=True, errorbar=None)
+    for ax, model in zip(grid.axes.flat, order):
+        for k, gap in enumerate(GAPS):
+            for i, config in enumerate(configs):
+                value = probe[(probe["model"] == model) & (probe["config"] == config)][gap]
+                if (model, config, gap) not in intervals or value.empty or not np.isfinite(value.iloc[0]):
+                    continue
+                lo, hi = intervals[(model, config, gap)]
+                v = float(value.iloc[0])
+                ax.errorbar(i + (k - 0.5) * 0.4, v, yerr=[[max(v - lo, 0)], [max(hi - v, 0)]], fmt="none",
+                            ecolor="black", elinewidth=0.7, capsize=1.5)
     grid.set(yscale="log", xlabel="")
     grid.set_titles("{col_name}")
     for ax in grid.axes.flat:
@@ -64,7 +110,8 @@ def mismatch_figure(probe: pd.DataFrame, path: Path, models: list[str] | None = 
         ax.tick_params(axis="y", labelsize=7)
     # one legend for every panel, above them (the rotated labels are below), titled with the figure's title
     sns.move_legend(grid, "lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False,
-                    title="Mismatch per numerics configuration (same tokens for every configuration)")
+                    title="Mismatch per numerics configuration (same tokens for every configuration)"
+                          + ("; bars: 95% interval, bootstrap over sequences" if intervals else ""))
     grid.figure.tight_layout()
     save_grid(grid, path)
 
@@ -115,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = args.results / "tables"
     probe = pd.read_csv(tables / "probe.csv")
     mismatch_figure(probe, args.out_dir / f"mismatch.{args.format}",
-                    model_order(args.results, list(probe["model"]), args.models))
+                    model_order(args.results, list(probe["model"]), args.models), args.results)
     dlogp_vs_prob_figure(args.results, args.dlogp_configs, args.out_dir / f"dlogp_vs_prob.{args.format}")
     try:
         diagnose = pd.read_csv(tables / "diagnose.csv")

@@ -3,7 +3,10 @@
 Writes ``claims.tex`` (the study's label, the commit the runs came from, the collapse rule as
 the runs were judged by it -- written by :func:`rpa.train.collapse.rule_text` from the thresholds in
 the runs' ``config.json``, one paragraph per distinct set of thresholds -- and, computed from
-the result tables, which claims of the study reproduced at this scale) and, where the
+the result tables, which claims of the study reproduced at this scale, measured offline and in
+training; ``\\findings`` and ``\\abstractresults``: what holds at this scale, what does not and
+what could not be tested, the miniature's sensitivity to a collapse included; ``\\commits``:
+every commit the results came from, by part) and, where the
 positive control ran (in ``R`` or in ``--dose-results``: the dose grid and the study may live
 in different results directories), ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
 (searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.latex import booktabs, escape
-from rpa.train.collapse import CollapseThresholds, rule_text
+from analysis.latex import booktabs, escape, readable
+from analysis.paired import fmt_change
+from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text
 from rpa.core.jsonfiles import write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,20 +66,40 @@ def collapse_claim(table: pd.DataFrame, arm: str, claim: str, reference: str) ->
     return f"\\item \\textbf{{{escape(claim)}}} --- {overall}. {escape(detail)}."
 
 
+def _below_zero(rows: pd.DataFrame, prefix: str) -> tuple[int, int]:
+    """(models whose 95% interval of the change lies below zero, models with an interval)."""
+    rows = rows[rows[f"{prefix}_high"].notna()]
+    return int((rows[f"{prefix}_high"] < 0).sum()), len(rows)
+
+
+def _verdict(below: int, n: int) -> str:
+    return "lower on every model (interval below zero)" if n and below == n else \
+        f"lower with an interval below zero on {below} of {n} models"
+
+
 def mismatch_claim(table: pd.DataFrame, arm: str, reference: str) -> str:
+    """The mismatch claim, measured both ways: offline (the probe, identical tokens, paired
+    bootstrap over sequences) and during training (paired by seed, t-interval over seeds)."""
     rows = table[(table["arm"] == arm) & table["probe_mean_abs_dlogp_change"].notna()]
     if rows.empty:
         return f"\\item No probe of {escape(arm)}."
-    parts = [f"{m}: {100 * c:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]" for m, c, lo, hi in
+    parts = [f"{m}: {fmt_change(c, lo, hi)}" for m, c, lo, hi in
              zip(rows["model"], rows["probe_mean_abs_dlogp_change"], rows["probe_mean_abs_dlogp_low"],
                  rows["probe_mean_abs_dlogp_high"])]
-    below = (rows["probe_mean_abs_dlogp_high"] < 0).sum()
-    verdict = "lower on every model (interval below zero)" if below == len(rows) else \
-        f"lower with an interval below zero on {below} of {len(rows)} models"
-    return (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} "
-            f"(offline probe, identical tokens, change of mean $|\\Delta\\log p|$ vs {escape(reference)}, "
-            f"paired bootstrap 95\\% interval): "
-            f"{verdict}. {escape('; '.join(parts))}.")
+    text = (f"\\item \\textbf{{Aligning {escape(arm)} lowers the trainer-vs-sampler mismatch}} --- "
+            f"offline (probe, identical tokens, change of mean $|\\Delta\\log p|$ vs {escape(reference)}, "
+            f"paired bootstrap 95\\% interval over sequences): {_verdict(*_below_zero(rows, 'probe_mean_abs_dlogp'))}. "
+            f"{escape('; '.join(parts))}.")
+    train = table[(table["arm"] == arm) & table["train_mean_abs_dlogp_change"].notna()] \
+        if "train_mean_abs_dlogp_change" in table else table.iloc[:0]
+    if len(train):
+        parts = [f"{m}: {fmt_change(c, lo, hi, resamples=0)}" for m, c, lo, hi in
+                 zip(train["model"], train["train_mean_abs_dlogp_change"], train["train_mean_abs_dlogp_low"],
+                     train["train_mean_abs_dlogp_high"])]
+        text += (f" In training (per seed the geometric-mean ratio over the steps both runs logged, 95\\% "
+                 f"t-interval over seeds): {_verdict(*_below_zero(train, 'train_mean_abs_dlogp'))}. "
+                 f"{escape('; '.join(parts))}.")
+    return text
 
 
 def _thresholds(config: Path) -> CollapseThresholds | None:
@@ -151,15 +175,18 @@ def dose_parts(results: Path, out_dir: Path) -> str:
     runs = pd.read_csv(runs_path)
     per_group = groups(runs)
     cols = ["arm", "is_correction", "old_logprobs", "invalid", "runs", "collapsed", "unconfirmed", "grad_spike_runs",
-            "mean_abs_dlogp", "phantom_clip_rate", "final_reward"]
+            "mean_abs_dlogp", "phantom_clip_rate", "final_reward", "terminal_reward"]
     window = int(per_group["mismatch_steps"].dropna().iloc[0]) if per_group["mismatch_steps"].notna().any() else None
     over = f"over steps 1-{window}" if window else "over all steps"
     write_text(out_dir / "dose_table.tex", booktabs(
-        per_group[[c for c in cols if c in per_group]],
-        f"Positive control per arm (mean over seeds; mean_abs_dlogp and phantom_clip_rate {over} of each run, "
-        f"before any collapse; grad_spike_runs: runs with a gradient-norm spike, an event, not a collapse; "
-        f"invalid: IS with old logprobs from the sampler, which applied the correction twice)",
-        "tab:dose"))
+        readable(per_group[[c for c in cols if c in per_group]],
+                 {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps"}),
+        f"Positive control per arm (mean over seeds; mean |dlogp| and the phantom-clip rate {over} of each run, "
+        f"before any collapse; runs with grad spikes: a gradient-norm spike is an event, not a collapse; "
+        f"final reward smoothed over the rule's window, raw reward the mean of the last {TERMINAL_STEPS} logged steps; "
+        f"invalid: IS with old logprobs from the sampler, which applied the correction twice; verdicts under "
+        f"collapse rule {RULE_VERSION})",
+        "tab:dose", placement="H"))
     lines = statement(thresholds(runs), anchor_positions(runs))
     return "\\begin{itemize}" + "".join(f"\\item {escape(line.removeprefix('- '))}" for line in lines) + \
         "\\end{itemize}"
@@ -186,21 +213,157 @@ def commit_of(results: Path) -> str:
     return text
 
 
-def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None) -> Path:
+def _study_old_logprobs(results: Path, manifest: dict) -> set[str]:
+    """Where the study's runs took PPO's old log-probabilities from (their configs)."""
+    found = set()
+    for c in manifest["cells"]:
+        path = results / "study" / c["cell"] / "config.json"
+        if path.exists():
+            found.add(json.loads(path.read_text()).get("old_logprobs", "trainer"))
+    return found
+
+
+def miniature_sensitivity(results: Path, manifest: dict, dose_results: Path | None) -> str:
+    """Whether the study's runs could have seen a collapse at all: the positive control's
+    outcome for the old-logprob setting the study ran with (from the committed dose runs)."""
+    runs_path = (dose_results or results) / "tables" / "dose_runs.csv"
+    olds = _study_old_logprobs(results, manifest)
+    if not runs_path.exists() or len(olds) != 1:
+        return ""
+    from analysis.dose import anchor_positions, thresholds
+
+    old = olds.pop()
+    runs = pd.read_csv(runs_path)
+    th = thresholds(runs, boot=0)
+    curves = th[(th["old_logprobs"] == old) & (th["kind"] != "invalid")]
+    if curves.empty or not (curves["kind"] == "none collapsed").all():
+        return ""
+    anchors = anchor_positions(runs)
+    none = anchors[(anchors["arm"] == "bf16-none") & (anchors["old_logprobs"] == old)].set_index("is_correction")
+    ratios = [t["low"] / none.loc[t["is_correction"], "mean_abs_dlogp"] for _, t in curves.iterrows()
+              if t["is_correction"] in none.index]
+    ratio = f"; {min(ratios):.0f}-{max(ratios):.0f}x its own stock BF16 runs'" if ratios else ""
+    return (f"The miniature's runs take PPO's old log-probabilities from the {old} (every run's config), the setting in "
+            f"which the positive control never collapsed at any dose: {int(curves['collapsed'].sum())} of "
+            f"{int(curves['runs'].sum())} runs collapsed up to a mismatch of {curves['low'].min():.2g}-"
+            f"{curves['low'].max():.2g} (mean |dlogp| over the early steps{ratio}). So a miniature without a collapse says "
+            f"nothing about collapse: it could not have seen one.")
+
+
+def _p(value) -> str:
+    """A p-value as every text of the suite prints it (three significant digits)."""
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def findings(results: Path, manifest: dict, dose_results: Path | None = None,
+             search_results: Path | None = None) -> dict[str, list[str]]:
+    """What the committed results say, computed from their tables: what holds at this scale,
+    what does not, and what could not be tested (the abstract and section 1)."""
+    out: dict[str, list[str]] = {"holds": [], "does not": [], "untested": []}
+    tables = results / "tables"
+    ref = manifest["reference_arm"]
+    collapse = pd.read_csv(tables / "study_collapse.csv")
+    mismatch = pd.read_csv(tables / "study_mismatch.csv")
+    rows = mismatch[mismatch["arm"] == "all"]
+    if len(rows):
+        probe, train = _below_zero(rows, "probe_mean_abs_dlogp"), _below_zero(rows, "train_mean_abs_dlogp")
+        out["holds"].append(f"Aligning all three regions lowers the trainer-vs-sampler mismatch, with a 95% interval "
+                            f"below zero on {probe[0]} of {probe[1]} miniature sizes offline (identical tokens) and on "
+                            f"{train[0]} of {train[1]} during training.")
+    dose = (dose_results or results) / "tables" / "dose_runs.csv"
+    if dose.exists():
+        from analysis.dose import anchor_positions, thresholds
+
+        runs = pd.read_csv(dose)
+        th, anchors = thresholds(runs, boot=0), anchor_positions(runs)
+        fit = th[(th["kind"] == "logistic") & (th["is_correction"] == "off")]
+        for _, t in fit.iterrows():
+            none = anchors[(anchors["arm"] == "bf16-none") & (anchors["is_correction"] == "off")
+                           & (anchors["old_logprobs"] == t["old_logprobs"])]["mean_abs_dlogp"]
+            times = f", {t['estimate'] / none.iloc[0]:.0f}x stock BF16's" if len(none) else ""
+            out["holds"].append(f"The pipeline sees a collapse when one is caused: a sampler-only perturbation "
+                                f"collapses half the runs at a mean |dlogp| of {t['estimate']:.2g}{times}, with PPO's "
+                                f"old log-probabilities from the {t['old_logprobs']} and IS off.")
+    base = collapse[collapse["arm"] == ref]["collapsed"].dropna().tolist()
+    k = sum(int(c.split("/")[0]) for c in base if "/" in c)
+    n = sum(int(c.split("/")[1]) for c in base if "/" in c)
+    search = []
+    for stage in ("grid", "lever"):
+        path = None if search_results is None else search_results / "tables" / f"search_{stage}.json"
+        if path is not None and path.exists():
+            d = json.loads(path.read_text())["decision"]
+            if d.get("reference_runs"):
+                rates = (d.get("power") or {}).get("rates") or {}
+                power = "" if not rates else (" (the rule finds a true per-run collapse rate of " + ", ".join(
+                    f"{100 * float(r):.0f}% with probability {100 * v:.0f}%" for r, v in rates.items()) + ")")
+                search.append(f"{d['reference_collapsed']}/{d['reference_runs']} in the search's {stage}{power}")
+    out["does not"].append(f"Stock BF16 did not collapse by itself: {k}/{n} runs of the miniature"
+                           + (f", {'; '.join(search)}" if search else "") + ".")
+    if search_results is not None and (search_results / "tables" / "search_grid.json").exists():
+        ended = json.loads((search_results / "tables" / "search_grid.json").read_text()).get("absorbing") or []
+        for a in ended:
+            out["does not"].append(f"The one search run that ends in an absorbing state is aligned ({a['cell']}: "
+                                   f"verdict {a['verdict']}, raw reward {a['terminal_reward']:.2g} over its last "
+                                   f"{TERMINAL_STEPS} steps, smoothed final reward {a['final_reward']:.2g}); with four "
+                                   f"seeds a rung this is no evidence either way.")
+    out["untested"].append("Whether aligning the three regions prevents the BF16 baseline's collapse, and whether RoPE "
+                           "alone suffices: no baseline collapsed, so there was no collapse to prevent.")
+    note = miniature_sensitivity(results, manifest, dose_results)
+    if note:
+        out["untested"].append(note)
+    return out
+
+
+def _commits_of(paths) -> list[str]:
+    return [c for c in _commits(paths) if c != "unknown"]
+
+
+def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None) -> str:
+    """Every commit the results in the paper came from, by part (each run's ``provenance``)."""
+    parts = [f"miniature runs {', '.join(_commits_of(sorted(results.glob('study/*/*/seed*/summary.json')))) or 'unknown'}"]
+    probes = _commits_of(sorted(results.glob("probe/*/*/summary.json")))
+    if probes:
+        parts.append(f"its probes {', '.join(probes)}")
+    dose = sorted((dose_results or results).glob("dose/*/*/seed*/summary.json"))
+    if dose:
+        parts.append(f"positive control ({dose_results or results}) {', '.join(_commits_of(dose))}")
+    if search_results is not None:
+        for stage in ("pilot", "grid", "ablation", "lever"):
+            found = _commits_of(sorted((search_results / "search" / stage).glob("**/summary.json")))
+            if found:
+                parts.append(f"search {stage} ({search_results}) {', '.join(found)}")
+    return "; ".join(parts)
+
+
+def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
+                 search_results: Path | None = None) -> Path:
     manifest = json.loads((results / "study" / "manifest.json").read_text())
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
     ref = manifest["reference_arm"]
+    sensitivity = miniature_sensitivity(results, manifest, dose_results)
     items = [collapse_claim(collapse, "all", "Aligning all three regions prevents the BF16 baseline's collapse", ref),
              collapse_claim(collapse, "rope", "RoPE alone suffices", ref),
+             *([f"\\item {escape(sensitivity)}"] if sensitivity else []),
              mismatch_claim(mismatch, "all", ref), mismatch_claim(mismatch, "rope", ref)]
+    found = findings(results, manifest, dose_results, search_results)
+    heads = {"holds": "What holds at this scale", "does not": "What does not",
+             "untested": "What could not be tested"}
+    listed = "".join(f"\\item \\textbf{{{heads[key]}.}} " + " ".join(escape(x) for x in lines)
+                     for key, lines in found.items() if lines)
+    abstract = [*found["holds"], *found["does not"][:1], *found["untested"]]
     dose = dose_parts(dose_results or results, out_dir)
     rule, used = study_rule(results, manifest)
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
-             f"{', '.join(map(str, manifest['seeds']))}.")
+             f"{', '.join(map(str, manifest['seeds']))}; {len(manifest['cells'])} runs."
+             + ("" if "fp32" in manifest["arms"] else " No FP32 (negative-control) training arm ran in these results."))
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
             f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
             f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",
+            f"\\newcommand{{\\commits}}{{{escape(provenance(results, dose_results, search_results))}}}",
+            f"\\newcommand{{\\ruleversion}}{{{escape(RULE_VERSION)}}}",
+            "\\newcommand{\\findings}{\\begin{itemize}" + listed + "\\end{itemize}}",
+            f"\\newcommand{{\\abstractresults}}{{{' '.join(escape(x) for x in abstract)}}}",
             f"\\newcommand{{\\setupnote}}{{{escape(setup)}}}",
             f"\\newcommand{{\\collapserule}}{{{escape(rule)}}}",
             f"\\newcommand{{\\doserule}}{{{escape(dose_rule(dose_results or results, used))}}}",
@@ -224,6 +387,7 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     table = pd.read_csv(search_results / "tables" / "search_pilot.csv")
     cols = [c for c in ("model", "temperature", "warmup", "initial_reward", "step1_entropy", "step1_mismatch",
                         "eligible", "chosen") if c in table]
+    figures = search_results / "figures"
     rule = pilot["rule"]
     parts = ["\\section{A natural collapse? The search on CPU}",
              escape("Stock BF16 GRPO is run where mismatch is larger than in the miniature: deeper tiny models, the "
@@ -234,7 +398,8 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                     f"{rule['min_entropy']} nats/token, initial reward in [{rule['reward_low']}, "
                     f"{rule['reward_high']}], then the largest step-1 mismatch; chosen: "
                     f"{pilot.get('chosen') or 'no cell was eligible'}."),
-             booktabs(table[cols], "Natural-collapse search: the pilot (BF16 none, 10 steps)", "tab:pilot")]
+             booktabs(readable(table[cols]), "Natural-collapse search: the pilot (BF16 none, 10 steps)", "tab:pilot",
+                      placement="H")]
     tables = search_results / "tables"
     grid_json = tables / "search_grid.json"
     if not grid_json.exists():
@@ -247,6 +412,10 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                         f"rates and four seeds, judged by the collapse rule and decision rule written in its "
                         f"config before it ran): {decision['statement']}"))
     parts += _stage_groups(grid, "Natural-collapse search: the grid's finished runs per group", "tab:searchgrid")
+    parts += _stage_notes(grid)
+    parts += _figure(figures / "search_grid.png", "The natural-collapse search, grid: reward (top) and in-training "
+                     "mismatch (bottom, log scale) per step, one column per learning rate; line: mean over the four "
+                     "seeds, band: their range.", "fig:searchgrid")
     if decision.get("outcome") == "collapses naturally":
         parts.append(escape("The study's two claims are tested at the collapsing rung(s) by the ablation stage."))
     elif decision.get("outcome") == "does not collapse naturally":
@@ -261,6 +430,10 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                                 f"{_settings_text(lever.get('envelope') or {})}; the grid's arms, seeds, warm "
                                 f"starts and rules. {lever['decision']['statement']}"))
             parts += _stage_groups(lever, "Natural-collapse search: the lever stage per group", "tab:searchlever")
+            parts += _stage_notes(lever)
+            parts += _figure(figures / "search_lever.png", "The natural-collapse search, lever stage (4 optimizer "
+                             "updates per generated batch): reward (top) and in-training mismatch (bottom, log scale) "
+                             "per logged step; line: mean over the four seeds, band: their range.", "fig:searchlever")
         else:
             parts.append(escape("The further lever (the config's lever stage) has not run yet."))
         parts.append(_claims_text(grid, lever))
@@ -268,18 +441,63 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     return path
 
 
+def _figure(path: Path, caption: str, label: str) -> list[str]:
+    """A committed figure of the search, placed where it is input (none where it is missing)."""
+    if not path.exists():
+        return []
+    return ["\\begin{figure}[H]\\centering\\includegraphics[width=\\linewidth]{" + path.name + "}"
+            f"\\caption{{{escape(caption)}}}\\label{{{label}}}\\end{{figure}}"]
+
+
+def _stage_notes(stage: dict) -> list[str]:
+    """What a stage's summary says beside its decision: runs ending in an absorbing state, and
+    the aligned arm's mismatch relative to stock BF16's at step 1 and at matched entropy."""
+    notes = []
+    ended = stage.get("absorbing") or []
+    if ended:
+        notes.append(escape("Ending in an absorbing state (raw reward about 0 in groups without reward variance, "
+                            "whatever the rule says): " + "; ".join(
+                                f"{a['cell']} (verdict {a['verdict']}, raw reward {a['terminal_reward']:.2g} over the "
+                                f"last {TERMINAL_STEPS} logged steps against a smoothed final reward of "
+                                f"{a['final_reward']:.3g})" for a in ended) + "."))
+    c = stage.get("comparison") or {}
+    ratios = c.get("mismatch_ratio") or {}
+    if ratios:
+        def span(values):
+            values = [v for v in values if v is not None]
+            return "n/a" if not values else f"{min(values):.2f}-{max(values):.2f}"
+
+        notes.append(escape(
+            f"Mismatch of {c['treatment_arm']} relative to {c['reference_arm']} (beside the rules): mismatch tracks the "
+            f"policy's entropy, so the means over the steps in the table compare how far each arm's policy moved as "
+            f"much as its numerics; at step 1 (the same weights) and at matched entropy (equal-width bins of log "
+            f"entropy) the ratio is " + "; ".join(
+                f"{rung}: {span(list(r['step1'].values()))} per seed at step 1, "
+                f"{'n/a' if r['entropy_matched'] is None else format(r['entropy_matched'], '.2f')} at matched entropy, "
+                f"{r['mean_over_steps']:.2f} as a mean over the steps" for rung, r in ratios.items()) + "."))
+    return notes
+
+
 def _stage_groups(stage: dict, caption: str, label: str) -> list[str]:
-    """A stage's finished groups as a table (collapsed with the exact upper bound on the rate)."""
+    """A stage's finished groups as a table: collapsed with the group's own exact interval on the
+    rate, the smoothed final reward beside the raw terminal one, absorbing ends, and means."""
     groups = pd.DataFrame(stage.get("groups") or [])
     if groups.empty or not (groups["finished"] > 0).any():
         return []
-    shown = groups[groups["finished"] > 0]
-    cols = [c for c in ("lr", "arm", "finished", "collapsed", "collapse_rate_high", "final_reward", "reward_auc",
-                        "entropy", "pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in shown]
+    shown = groups[groups["finished"] > 0].copy()
+    shown["collapse_rate"] = [f"{lo:.2f}-{hi:.2f}" for lo, hi in
+                              zip(shown["collapse_rate_low"], shown["collapse_rate_high"])]
+    shown["collapsed"] = [f"{k}/{n}" for k, n in zip(shown["collapsed"], shown["finished"])]
+    cols = [c for c in ("lr", "arm", "collapsed", "collapse_rate", "final_reward", "terminal_reward", "absorbing",
+                        "reward_auc", "entropy", "pre_collapse_mismatch", "max_pre_drop_mismatch",
+                        "max_pre_collapse_phantom_clip") if c in shown]
     confidence = stage["decision"]["rule"].get("confidence", 0.95)
-    return [booktabs(shown[cols], f"{caption} (collapsed with the exact {100 * confidence:.0f}% upper bound on the "
-                                  f"rate; entropy and mismatch are means over the steps, the mismatch before any "
-                                  f"collapse)", label)]
+    return [booktabs(readable(shown[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps"}),
+                     f"{caption} (collapsed / finished runs with the group's own exact {100 * confidence:.0f}% "
+                     f"interval on the rate; final reward smoothed over the rule's window beside the raw reward of the "
+                     f"last {TERMINAL_STEPS} logged steps; entropy and mean |dlogp| are means over the steps, the "
+                     f"latter before any collapse; verdicts under collapse rule {RULE_VERSION})", label,
+                     placement="H")]
 
 
 def _span(values: list, unit: str = "") -> str:
@@ -311,8 +529,17 @@ def _envelope_text(env: dict) -> str:
             f"{_span(env.get('step1_entropy') or [])} nats/token at step 1 and "
             f"{_span(env.get('final_entropy') or [])} over each run's last steps (mean over all steps "
             f"{_span([env.get('mean_entropy')])}); mean |dlogp| before any collapse up to "
-            f"{_span([env.get('max_pre_collapse_mismatch')])} (largest step) and a phantom-clip rate up to "
-            f"{_span([env.get('max_pre_collapse_phantom_clip')])}.")
+            f"{_span([env.get('max_pre_collapse_mismatch')])} (largest step){_pre_drop(env)} and a phantom-clip rate up "
+            f"to {_span([env.get('max_pre_collapse_phantom_clip')])}.")
+
+
+def _pre_drop(env: dict) -> str:
+    """The largest mismatch before any drop, where a drop that was no collapse comes first."""
+    before, after = env.get("max_pre_drop_mismatch"), env.get("max_pre_collapse_mismatch")
+    if before is None or after is None or before >= after:
+        return ""
+    return (f", {_span([before])} before any drop (the larger value is from after a run's raw reward fell below "
+            f"the rule's level without staying there)")
 
 
 def _top_rung_runs(csv: Path, decision: dict) -> str | None:
@@ -324,8 +551,12 @@ def _top_rung_runs(csv: Path, decision: dict) -> str | None:
     top = decision["rungs"][-1]["rung"]
     rows = runs[(runs[rung_axis] == top) & (runs["state"] == "finished")]
     cols = [c for c in (decision["rule"]["arm_axis"], "seed", "verdict", "collapse_step", "peak_reward", "final_reward",
-                        "final_entropy", "max_pre_collapse_mismatch", "max_pre_collapse_phantom_clip") if c in rows]
-    return booktabs(rows[cols], f"Natural-collapse search: every run of the top rung ({top})", "tab:searchtop")
+                        "terminal_reward", "absorbing", "final_entropy", "max_pre_drop_mismatch",
+                        "max_pre_collapse_phantom_clip") if c in rows]
+    return booktabs(readable(rows[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps"}),
+                    f"Natural-collapse search: every run of the top rung ({top}); final reward smoothed over the rule's "
+                    f"window, raw reward the mean of the last {TERMINAL_STEPS} logged steps, absorbing: a raw reward about "
+                    f"0 in groups without reward variance", "tab:searchtop", placement="H")
 
 
 def _claims_text(grid: dict, lever: dict | None) -> str:
@@ -338,7 +569,7 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
         if c.get("reference", [0, 0])[1] and c.get("treatment", [0, 0])[1]:
             p = c.get("fisher_p")
             seen.append(f"{name}: {c['treatment_arm']} {c['treatment'][0]}/{c['treatment'][1]} collapsed against "
-                        f"{c['reference_arm']} {c['reference'][0]}/{c['reference'][1]} (Fisher exact p = {p:.2g})")
+                        f"{c['reference_arm']} {c['reference'][0]}/{c['reference'][1]} (Fisher exact p = {_p(p)})")
             if p < 0.05:
                 significant.append(name)
         for other, pair in (c.get("reward_auc_paired") or {}).items():
@@ -346,7 +577,7 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
                 ties = f", {pair['ties']} tied" if pair.get("ties") else ""
                 learning.append(f"{name}: {c['reference_arm']} below {other} in {pair['reference_lower']} of "
                                 f"{pair['pairs'] - pair.get('ties', 0)} paired seeds{ties} (sign test p = "
-                                f"{pair['sign_test_p']:.2g})")
+                                f"{_p(pair['sign_test_p'])})")
     verdict = (f"the difference is significant at p < 0.05 in the {' and '.join(significant)} stage"
                if significant else "at these counts no difference between the arms is significant (p >= 0.05)")
     beside = f"beside it, {'; '.join(seen)}: {verdict}" if seen else "no aligned arm ran beside it"
@@ -363,7 +594,7 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
                   f"the baseline collapses, and it did not.")
 
 
-def build(results: Path, out_dir: Path, dose_results: Path | None = None) -> int:
+def build(results: Path, out_dir: Path, dose_results: Path | None = None, search_results: Path | None = None) -> int:
     if not shutil.which("latexmk") or not shutil.which("pdflatex"):
         print(f"analysis.paper: no TeX engine (latexmk + pdflatex) on PATH; the generated parts are in {out_dir}. "
               f"Install: {TEX_INSTALL}", file=sys.stderr)
@@ -371,6 +602,8 @@ def build(results: Path, out_dir: Path, dose_results: Path | None = None) -> int
     folders = [out_dir, results / "tables", results / "figures"]
     if dose_results is not None:
         folders.append(dose_results / "figures")
+    if search_results is not None:
+        folders.append(search_results / "figures")
     search = os.pathsep.join(str(p.resolve()) for p in folders)
     env = {**os.environ, "TEXINPUTS": search + os.pathsep + os.environ.get("TEXINPUTS", "")}
     proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
@@ -393,9 +626,9 @@ def main() -> None:
                         help="results directory of the natural-collapse search (a section when it holds one)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_claims(args.results, args.out_dir, args.dose_results)
+    write_claims(args.results, args.out_dir, args.dose_results, args.search_results)
     search_section(args.search_results, args.out_dir)
-    sys.exit(build(args.results, args.out_dir, args.dose_results))
+    sys.exit(build(args.results, args.out_dir, args.dose_results, args.search_results))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,16 @@ Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
 * ``study_collapse``: per model x arm: runs, finished, collapsed (``k/n`` of the finished
   runs), unconfirmed (a drop that reached the end of the run before the persistence window:
   shown, never counted as stable), grad-norm spike events (summed over the runs), median
-  collapse step, peak and final (smoothed) reward, final eval accuracy (mean +- sd over seeds).
-  The LaTeX version leaves out failed/missing/peak reward to fit a page's width.
+  collapse step, peak and final (smoothed) reward, the raw terminal reward (mean of each run's
+  last :data:`rpa.train.collapse.TERMINAL_STEPS` logged rewards) and the runs that end in an
+  absorbing state (:func:`rpa.train.collapse.terminal_state`, whatever the rule says), final
+  eval accuracy (mean +- sd over seeds), and ``rule_version``, the collapse rule the verdicts
+  were recomputed under. The LaTeX version leaves out failed/missing/peak reward to fit a page's
+  width.
 * ``study_sensitivity``: per model x arm, the collapsed count (and unconfirmed count) under
   each variation of :func:`rpa.train.collapse.sensitivity_settings` (drop fraction 0.4 / 0.5 / 0.6;
-  half and twice the persistence window).
+  half and twice the persistence window). The LaTeX version lists only the rows with a
+  collapsed or unconfirmed run under some variation, and says how many rows are 0 everywhere.
 * ``study_mismatch``: per model x arm: the offline probe's ``mean_abs_dlogp`` and ``kl_k3``
   on identical tokens (where a probe configuration has the arm's name) with the change vs
   the reference arm and its paired bootstrap 95% interval over sequences
@@ -52,7 +57,8 @@ import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from rpa.train.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings  # noqa: E402
+from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, run_verdict,  # noqa: E402
+                                 sensitivity, sensitivity_settings)
 from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 
@@ -74,7 +80,7 @@ def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame
                 v = run_verdict(metrics, thresholds, summary)
                 row.update({k: v.get(k) for k in ("collapsed", "verdict", "collapse_step", "recovered_step",
                                                   "unconfirmed_drop_step", "grad_spikes", "steps", "peak_reward",
-                                                  "final_reward")})
+                                                  "final_reward", "terminal_reward", "absorbing", "rule_version")})
                 row["sensitivity"] = sensitivity(metrics, thresholds, summary)
                 row["persistence"] = thresholds.min_steps_after_drop
         if summary is not None and metrics:
@@ -128,8 +134,12 @@ def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
                          if collapsed.any() else None,
                          "peak_reward": _mean_sd(done.get("peak_reward", pd.Series(dtype=float))),
                          "final_reward": _mean_sd(done.get("final_reward", pd.Series(dtype=float))),
-                         "final_eval_accuracy": _mean_sd(done.get("final_eval_accuracy", pd.Series(dtype=float)))})
-    return pd.DataFrame(rows).astype({"unconfirmed": "Int64", "grad_spikes": "Int64"})
+                         "terminal_reward": _mean_sd(done.get("terminal_reward", pd.Series(dtype=float))),
+                         "absorbing": int(done["absorbing"].fillna(False).astype(bool).sum())
+                         if len(done) and "absorbing" in done else None,
+                         "final_eval_accuracy": _mean_sd(done.get("final_eval_accuracy", pd.Series(dtype=float))),
+                         "rule_version": RULE_VERSION})
+    return pd.DataFrame(rows).astype({"unconfirmed": "Int64", "grad_spikes": "Int64", "absorbing": "Int64"})
 
 
 def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
@@ -142,7 +152,11 @@ def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
     out["unconf."] = table["unconfirmed"].astype(object).where(table["unconfirmed"].notna(), None)
     out["spikes"] = table["grad_spikes"].astype(object).where(table["grad_spikes"].notna(), None)
     out["step"] = [None if pd.isna(v) else f"{v:g}" for v in table["median_collapse_step"]]
-    out["final reward"] = table["final_reward"]
+    out["final reward (smoothed)"] = table["final_reward"]
+    if "terminal_reward" in table:
+        out[f"raw reward, last {TERMINAL_STEPS} steps"] = table["terminal_reward"]
+    if "absorbing" in table:
+        out["absorbing"] = table["absorbing"].astype(object).where(table["absorbing"].notna(), None)
     out["eval accuracy"] = table["final_eval_accuracy"]
     return out
 
@@ -174,6 +188,23 @@ def readable_sensitivity(table: pd.DataFrame) -> pd.DataFrame:
         out[label] = [f"{k}/{n}" + (f" ({u} unconf.)" if u else "") if n else "--"
                       for k, u, n in zip(table[f"{label} collapsed"], table[f"{label} unconfirmed"], table["judged"])]
     return out
+
+
+def latex_sensitivity(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The sensitivity table for the paper, compacted: only the rows with a collapsed or
+    unconfirmed run under the rule's own thresholds or some variation, and a sentence for the
+    rest (every one of them 0 of its finished runs under every variation)."""
+    readable = readable_sensitivity(table)
+    counts = table[[c for c in table if c.endswith((" collapsed", " unconfirmed"))]]
+    flagged = counts.sum(axis=1) > 0
+    rest = table[~flagged]
+    runs = sorted({int(n) for n in rest["judged"]}) if len(rest) else []
+    note = (f"The other {len(rest)} of {len(table)} model x arm rows: 0/{'/'.join(map(str, runs)) or 0} collapsed and "
+            f"none unconfirmed under every variation (all rows: study_sensitivity.csv)." if len(rest) else
+            "Every row is listed.")
+    if not flagged.any():
+        return pd.DataFrame({"model": ["(none)"], "arm": ["--"]}), note
+    return readable[flagged].reset_index(drop=True), note
 
 
 def _probe_numerics(results: Path, model: str, config: str) -> dict | None:
@@ -265,7 +296,7 @@ def _probe_cell(table: pd.DataFrame, key: str) -> list[str]:
 
 
 def _train_cell(table: pd.DataFrame, ref: str | None) -> list[str]:
-    return ["reference" if arm == ref else fmt_change(c, lo, hi)
+    return ["reference" if arm == ref else fmt_change(c, lo, hi, resamples=0)  # a t-interval: no Monte Carlo error
             for arm, c, lo, hi in zip(table["arm"], table["train_mean_abs_dlogp_change"],
                                       table["train_mean_abs_dlogp_low"], table["train_mean_abs_dlogp_high"])]
 
@@ -385,59 +416,127 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    """Reward (smoothed over 5 steps; mean and sd band over seeds, clipped to [0, 1]) in the
-    top row, held-out accuracy (measured at a few steps: mean and sd error bars, the arms
-    dodged along the step axis) in the bottom row, one column per model; one legend."""
+ARM_FAMILIES = (("stock BF16 and controls", ("none", "positions-stock", "fp32")),
+                ("one region aligned", ("rope", "swiglu", "rmsnorm")),
+                ("all three regions aligned", ("all", "all-trainer-only", "all-sampler-only")),
+                ("other fixes", ("fp16", "lm-head-fp32", "tis", "mis")))
+"""The figures' rows: arms that answer one question each, so that a panel holds a few arms."""
+
+
+def arm_families(arms: list[str]) -> list[tuple[str, list[str]]]:
+    """``arms`` by :data:`ARM_FAMILIES` (in the arms' order within a family), then the sampler
+    perturbations ("positive control") and any other arm ("other arms"); empty families left out."""
+    out, placed = [], set()
+    for name, members in ARM_FAMILIES:
+        mine = [a for a in arms if a in members]
+        placed.update(mine)
+        out.append((name, mine))
+    out.append(("positive control", [a for a in arms if a.startswith("perturb-") and a not in placed]))
+    placed.update(out[-1][1])
+    out.append(("other arms", [a for a in arms if a not in placed]))
+    return [(name, members) for name, members in out if members]
+
+
+def _family_axes(models: list[str], families: list[tuple[str, list[str]]], height: float = 1.9, log: bool = False):
+    """One row per arm family, one column per model, every panel on the same y-axis."""
+    fig, axes = plt.subplots(len(families), len(models), figsize=(2.7 * len(models), height * len(families) + 0.8),
+                             squeeze=False, sharex=True, sharey=True)
+    for i, (family, _) in enumerate(families):
+        for j, model in enumerate(models):
+            ax = axes[i, j]
+            ax.tick_params(labelsize=7)
+            if log:
+                ax.set_yscale("log")
+            if i == 0:
+                ax.set_title(model, fontsize=9)
+            if i == len(families) - 1:
+                ax.set_xlabel("step", fontsize=8)
+        axes[i, -1].annotate(family, xy=(1.03, 0.5), xycoords="axes fraction", rotation=270, va="center",
+                             ha="left", fontsize=8)
+    return fig, axes
+
+
+def _reference_style(style: dict) -> dict:
+    """The reference arm as drawn in the other families' panels: light grey, dotted, crosses (tab10's
+    own grey, an arm's colour, is darker)."""
+    return {**style, "color": (0.72, 0.72, 0.72, 1.0), "ls": ":", "marker": "x"}
+
+
+def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str,
+                  accuracy_path: Path | None = None) -> None:
+    """Reward (smoothed over 5 steps; mean and sd band over seeds, clipped to [0, 1]): one row per
+    arm family (:func:`arm_families`), one column per model, common y-axes; the reference arm
+    (grey, dotted) in every family's panels. Held-out accuracy (measured at a few steps: mean and
+    sd error bars, the arms dodged along the step axis) the same way in ``accuracy_path``."""
     models, arms = manifest["models"], manifest["arms"]
+    ref = manifest.get("reference_arm", arms[0])
     styles = arm_styles(arms)
-    fig, axes = plt.subplots(2, len(models), figsize=(2.8 * len(models), 5.2), squeeze=False)
-    steps = evals["step"] if not evals.empty else pd.Series([0.0, 1.0])
-    dodge = 0.012 * max(float(steps.max() - steps.min()), 1.0)
+    families = arm_families(arms)
+    fig, axes = _family_axes(models, families)
     shown: set[str] = set()
-    for j, model in enumerate(models):
-        for i, arm in enumerate(arms):
-            part = _of(curves, model, arm)
-            if not part.empty:
-                _band(axes[0, j], part, "step", "reward", arm, styles[arm]["color"], window=5,
-                      bounds=_bounds(curves, "reward"), ls=styles[arm]["ls"])
+    for i, (_, members) in enumerate(families):
+        drawn = members if ref in members else [ref, *members]
+        for j, model in enumerate(models):
+            for arm in drawn:
+                part = _of(curves, model, arm)
+                if part.empty:
+                    continue
+                style = styles[arm] if arm in members else _reference_style(styles[arm])
+                _band(axes[i, j], part, "step", "reward", arm, style["color"], window=5,
+                      bounds=_bounds(curves, "reward"), ls=style["ls"])
                 shown.add(arm)
-            part = _of(evals, model, arm)
-            if not part.empty:
-                _points(axes[1, j], part, "step", "eval/accuracy", styles[arm], (i - (len(arms) - 1) / 2) * dodge,
+        axes[i, 0].set_ylabel("reward (smoothed, 5 steps)", fontsize=7)
+    fig.suptitle(f"{label}: reward per arm family (band: sd over seeds; light grey, dotted: {ref})", fontsize=9)
+    fig.tight_layout()
+    _legend(fig, styles, shown, markers=False)
+    _save(fig, path)
+    if accuracy_path is None:
+        return
+    fig, axes = _family_axes(models, families)
+    steps = evals["step"] if not evals.empty else pd.Series([0.0, 1.0])
+    dodge = 0.02 * max(float(steps.max() - steps.min()), 1.0)
+    shown = set()
+    for i, (_, members) in enumerate(families):
+        drawn = members if ref in members else [ref, *members]
+        for j, model in enumerate(models):
+            for k, arm in enumerate(drawn):
+                part = _of(evals, model, arm)
+                if part.empty:
+                    continue
+                style = styles[arm] if arm in members else _reference_style(styles[arm])
+                _points(axes[i, j], part, "step", "eval/accuracy", style, (k - (len(drawn) - 1) / 2) * dodge,
                         bounds=_bounds(evals, "eval/accuracy"))
                 shown.add(arm)
-        axes[0, j].set_title(model, fontsize=9)
-        axes[1, j].set_xlabel("step", fontsize=8)
-        for ax in axes[:, j]:
-            ax.tick_params(labelsize=7)
-    axes[0, 0].set_ylabel("reward (smoothed, 5 steps)", fontsize=8)
-    axes[1, 0].set_ylabel("held-out accuracy", fontsize=8)
-    fig.suptitle(f"{label}: reward (band: sd) and held-out accuracy (bars: sd) over seeds", fontsize=9)
+        axes[i, 0].set_ylabel("held-out accuracy", fontsize=7)
+    fig.suptitle(f"{label}: held-out accuracy per arm family (bars: sd over seeds; light grey, dotted: {ref})", fontsize=9)
     fig.tight_layout()
     _legend(fig, styles, shown, markers=True)
-    _save(fig, path)
+    _save(fig, accuracy_path)
 
 
 def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
+    """In-training mismatch (geometric mean over seeds, band x/÷ one sd of log10): one row per arm
+    family, one column per model, common log y-axes; the reference arm in every panel."""
     models, arms = manifest["models"], manifest["arms"]
+    ref = manifest.get("reference_arm", arms[0])
     styles = arm_styles(arms)
-    fig, axes = plt.subplots(1, len(models), figsize=(2.8 * len(models), 2.9), squeeze=False)
+    families = arm_families(arms)
+    fig, axes = _family_axes(models, families, log=True)
     shown: set[str] = set()
-    for j, model in enumerate(models):
-        for arm in arms:
-            part = _of(curves, model, arm)
-            if not part.empty:
-                _band(axes[0, j], part, "step", "mismatch/mean_abs_dlogp", arm, styles[arm]["color"], window=3,
-                      log=True, ls=styles[arm]["ls"])
+    for i, (_, members) in enumerate(families):
+        drawn = members if ref in members else [ref, *members]
+        for j, model in enumerate(models):
+            for arm in drawn:
+                part = _of(curves, model, arm)
+                if part.empty:
+                    continue
+                style = styles[arm] if arm in members else _reference_style(styles[arm])
+                _band(axes[i, j], part, "step", "mismatch/mean_abs_dlogp", arm, style["color"], window=3,
+                      log=True, ls=style["ls"])
                 shown.add(arm)
-        axes[0, j].set(yscale="log")
-        axes[0, j].set_title(model, fontsize=9)
-        axes[0, j].set_xlabel("step", fontsize=8)
-        axes[0, j].tick_params(labelsize=7)
-    axes[0, 0].set_ylabel("in-training mean |dlogp|", fontsize=8)
-    fig.suptitle(f"{label}: in-training mismatch (geometric mean over seeds, band x/÷ one sd of log10)",
-                 fontsize=9)
+        axes[i, 0].set_ylabel("mean |dlogp|", fontsize=7)
+    fig.suptitle(f"{label}: in-training mismatch per arm family (geometric mean over seeds, band x/÷ one sd of "
+                 f"log10; light grey, dotted: {ref})", fontsize=9)
     fig.tight_layout()
     _legend(fig, styles, shown)
     _save(fig, path)
@@ -467,14 +566,25 @@ def heatmap(runs: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
 
 
 def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readable: pd.DataFrame | None = None,
-                latex: pd.DataFrame | None = None) -> None:
+                latex: pd.DataFrame | None = None, latex_caption: str | None = None) -> None:
     """CSV (numbers), Markdown (``readable``, or the same table) and LaTeX (``latex``, a
-    narrower frame that fits a page's width, or the Markdown's)."""
+    narrower frame that fits a page's width, or the Markdown's; placed where the paper inputs
+    it, so that it never splits a sentence; ``latex_caption``, or the caption)."""
     with atomic_path(tables / f"{name}.csv") as tmp:
         df.to_csv(tmp, index=False)
     shown = df if readable is None else readable
     write_text(tables / f"{name}.md", f"### {caption}\n\n" + shown.to_markdown(index=False, floatfmt=".3g") + "\n")
-    write_text(tables / f"{name}.tex", booktabs(shown if latex is None else latex, caption, f"tab:{name}"))
+    write_text(tables / f"{name}.tex", booktabs(shown if latex is None else latex, latex_caption or caption,
+                                                f"tab:{name}", placement="H"))
+
+
+def _compact_sensitivity(sens: pd.DataFrame, label: str, runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The paper's sensitivity table (:func:`latex_sensitivity`) and its caption."""
+    table, note = latex_sensitivity(sens)
+    return table, (f"{label}: collapsed / finished runs under variations of the collapse rule (drop fraction 0.4, "
+                   f"0.5, 0.6 at each run's persistence window{_persistence_text(runs)}; persist /2, x2: half and "
+                   f"twice that window; unconf.: drops that reached the end before the window), the rows with a "
+                   f"collapsed or unconfirmed run. {note}")
 
 
 def _persistence_text(runs: pd.DataFrame) -> str:
@@ -500,14 +610,17 @@ def main() -> None:
                 f"finished runs; unconfirmed: runs whose reward drop reached the end of the run before the "
                 f"persistence window{_persistence_text(runs)}, not counted as stable; spikes: grad-norm spike "
                 f"events over the runs (events, not collapses); step: median collapse step; reward and "
-                f"accuracy at the end, mean ± sd over seeds",
+                f"accuracy at the end, mean ± sd over seeds: the final reward smoothed over the rule's window, the "
+                f"raw reward the mean of the last {TERMINAL_STEPS} logged steps; absorbing: runs that end with a raw "
+                f"reward about 0 in groups without reward variance, whatever the rule says; verdicts under collapse "
+                f"rule {RULE_VERSION}",
                 latex=latex_collapse(collapse))
     sens = sensitivity_table(runs, manifest)
     write_table(sens, tables, "study_sensitivity",
                 f"{label}: collapsed / finished runs under variations of the collapse rule: drop fraction 0.4, "
                 f"0.5, 0.6 at each run's persistence window{_persistence_text(runs)}; persist /2, x2: each "
                 f"run's drop fraction at half and twice that window (unconf.: drops that reached the end "
-                f"before the window)", readable_sensitivity(sens))
+                f"before the window)", readable_sensitivity(sens), *_compact_sensitivity(sens, label, runs))
     mismatch = mismatch_table(args.results, runs, manifest, curves)
     write_table(mismatch, tables, "study_mismatch",
                 f"{label}: mismatch per arm vs {ref}. Probe: mean abs dlogp on identical tokens, change with a "
@@ -517,7 +630,8 @@ def main() -> None:
                 f"ratio over the steps both runs logged, then the mean log-ratio over seeds with a 95% "
                 f"t-interval (df = seeds - 1)",
                 readable_mismatch(mismatch, ref), latex_mismatch(mismatch, ref))
-    reward_figure(curves, evals, manifest, fig_dir / f"study_rewards.{args.format}", label)
+    reward_figure(curves, evals, manifest, fig_dir / f"study_rewards.{args.format}", label,
+                  fig_dir / f"study_accuracy.{args.format}")
     mismatch_figure(curves, manifest, fig_dir / f"study_mismatch_curves.{args.format}", label)
     heatmap(runs, manifest, fig_dir / f"study_heatmap.{args.format}", label)
     states = runs.state.value_counts().to_dict()

@@ -3,7 +3,11 @@
 Reads ``RESULTS/train/<model>/<setting>/<regions>/seed<N>/{summary.json,metrics.jsonl}``; writes a CSV
 (columns :data:`RUN_COLUMNS`), a Markdown table, and a figure of reward and mismatch vs step.
 Collapse verdicts are recomputed from each ``metrics.jsonl`` with the run's own thresholds, so
-the tables follow the current definition (e.g. the persistence window).
+the tables follow the current definition (e.g. the persistence window): ``rule_version`` names
+it, and ``summary_superseded`` marks a run whose ``summary.json`` holds a different verdict of
+an earlier rule. Beside the smoothed ``final_reward``, the raw ``terminal_reward`` (mean of the
+last :data:`rpa.train.collapse.TERMINAL_STEPS` logged rewards) and ``absorbing`` (a raw reward
+about 0 in groups without reward variance, whatever the rule says).
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
-from rpa.train.collapse import CollapseThresholds, run_verdict  # noqa: E402
+from rpa.train.collapse import CollapseThresholds, run_verdict, summary_superseded  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
-               "peak_reward", "final_reward", "reward_auc", "mean_abs_dlogp", "kl_k3", "frac_ratio_outside", "status",
-               "wall_s")
+               "peak_reward", "final_reward", "terminal_reward", "absorbing", "reward_auc", "mean_abs_dlogp", "kl_k3",
+               "frac_ratio_outside", "rule_version", "summary_superseded", "status", "wall_s")
 
 
 def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -40,6 +44,7 @@ def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         verdict = run_verdict(records, CollapseThresholds(**s["config"]["collapse"]), s)
         runs.append({"model": model, "setting": setting, "regions": regions, "seed": seed,
                      **{k: s.get(k) for k in RUN_COLUMNS[4:]}, **{k: v for k, v in verdict.items() if k in RUN_COLUMNS},
+                     "summary_superseded": summary_superseded(s, verdict),
                      "mean_abs_dlogp": metrics["mismatch/mean_abs_dlogp"].mean(),
                      "kl_k3": metrics["mismatch/kl_k3"].mean(),
                      "frac_ratio_outside": metrics["mismatch/frac_ratio_outside"].mean()})
@@ -51,12 +56,20 @@ def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def markdown(runs: pd.DataFrame) -> str:
     cols = ["model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "peak_reward", "final_reward",
-            "reward_auc", "mean_abs_dlogp", "kl_k3", "wall_s"]
+            "terminal_reward", "absorbing", "reward_auc", "mean_abs_dlogp", "kl_k3", "summary_superseded", "wall_s"]
     per_run = runs[cols].to_markdown(index=False, floatfmt=".3g")
     groups = runs.groupby(["model", "setting", "regions"], sort=False).agg(
         runs=("seed", "size"), collapsed=("collapsed", "sum"), final_reward=("final_reward", "mean"),
+        terminal_reward=("terminal_reward", "mean"), absorbing=("absorbing", "sum"),
         reward_auc=("reward_auc", "mean"), mean_abs_dlogp=("mean_abs_dlogp", "mean")).reset_index()
-    return ("### Per run\n\n" + per_run + "\n\n### Mean over seeds\n\n"
+    version = ", ".join(sorted(set(runs["rule_version"].dropna().astype(str)))) or "n/a"
+    superseded = int(runs["summary_superseded"].fillna(False).astype(bool).sum())
+    note = (f"Verdicts recomputed under collapse rule {version} (`rpa.train.collapse.RULE_VERSION`); "
+            f"{superseded} run(s) whose `summary.json` holds an earlier rule's different verdict "
+            f"(`summary_superseded`: read this table's). `final_reward`: smoothed over the rule's window; "
+            f"`terminal_reward`: the raw mean of the last logged steps; `absorbing`: a raw reward about 0 in groups "
+            f"without reward variance.\n\n")
+    return (note + "### Per run\n\n" + per_run + "\n\n### Mean over seeds\n\n"
             + groups.to_markdown(index=False, floatfmt=".3g") + "\n")
 
 

@@ -187,8 +187,8 @@ def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
     import shutil
 
     committed = REPO / "results/reference/collapse-cpu"
-    if not (committed / "search" / stage / "manifest.json").exists():
-        pytest.skip(f"no committed {stage} results")
+    # the committed results are part of the contract: a missing stage fails, never skips
+    assert (committed / "search" / stage / "manifest.json").exists(), f"no committed {stage} results"
     shutil.copytree(committed / "search", tmp_path / "search")
     assert main(["--results", str(tmp_path), "--stage", stage, "--figure", str(tmp_path / "f.png")]) == 0
     for ext in ("csv", "md", "json"):  # byte for byte
@@ -212,8 +212,7 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
 
     committed = REPO / "results/reference/collapse-cpu/search"
     finished = list(committed.glob("grid/*/*/seed*/summary.json"))
-    if not finished:
-        pytest.skip("no committed grid runs")
+    assert finished, "no committed grid runs (part of the contract)"
     res = tmp_path / "r"
     shutil.copytree(committed, res / "search", copy_function=shutil.copy2)  # times kept: summary newer than run.yaml
     proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", "experiments/collapse-cpu.yaml",
@@ -301,3 +300,79 @@ def test_sign_test_and_the_paired_reward_auc_leave_ties_out(tmp_path):
     runs, _ = load_runs(tmp_path, manifest)
     paired = comparison(runs, RULE)["reward_auc_paired"]["fp32"]
     assert paired == {"pairs": 8, "ties": 7, "reference_lower": 1, "sign_test_p": 1.0}
+
+
+# ----------------------------------------------- per-rung intervals, power, terminal reward
+
+def test_the_rules_power_is_a_binomial_tail_over_the_rungs():
+    """">= 3 of 4 seeds at one of 3 rungs" finds a true per-run collapse rate of 30% 23% of the
+    time and one of 50% 68% of the time; one rung alone: 8% and 31%."""
+    from analysis.collapse_search import binomial_tail, rule_power
+
+    assert binomial_tail(3, 4, 0.5) == pytest.approx(5 / 16) and binomial_tail(0, 4, 0.3) == pytest.approx(1.0)
+    assert binomial_tail(3, 4, 0.3) == pytest.approx(4 * 0.3 ** 3 * 0.7 + 0.3 ** 4)
+    assert rule_power(0.3) == pytest.approx(0.2307, abs=1e-4) and rule_power(0.5) == pytest.approx(0.6750, abs=1e-4)
+    assert round(100 * rule_power(0.3)) == 23 and round(100 * rule_power(0.5)) == 68
+    assert rule_power(0.3, rungs=1) == pytest.approx(0.0837) and rule_power(0.5, rungs=1) == pytest.approx(0.3125)
+    assert rule_power(0.0) == 0.0 and rule_power(1.0) == 1.0
+
+
+def test_each_rung_has_its_own_exact_interval_and_the_statement_says_what_the_rule_can_detect(tmp_path):
+    manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)
+    runs, _ = load_runs(tmp_path, manifest)
+    d = decision(runs, RULE)
+    for rung in d["rungs"]:
+        assert rung["reference"] == "0/4" and rung["reference_interval"] == [0.0, pytest.approx(0.6024, abs=1e-4)]
+    assert "lr1: none 0/4 (exact 95% interval 0.00-0.60)" in d["statement"]
+    assert "0.00-0.37 if the collapse probability were one and the same at every rung" in d["statement"]
+    assert d["power"]["rungs"] == 2 and d["power"]["seeds_per_rung"] == 4
+    assert "30% with probability 16%, 50% with probability 53%" in d["statement"]
+
+
+def _committed_stage(stage: str) -> dict:
+    path = REPO / f"results/reference/collapse-cpu/tables/search_{stage}.json"
+    assert path.exists(), f"committed reference data missing: {path}"
+    return json.loads(path.read_text())
+
+
+def test_committed_grid_reports_the_raw_terminal_reward_and_the_absorbing_end():
+    """The lr 8e-4 `all` seed 0 run: smoothed final reward 0.429, raw terminal reward 0.002, an
+    absorbing end -- in the run table, the group table and the stage's text."""
+    runs = pd.read_csv(REPO / "results/reference/collapse-cpu/tables/search_grid.csv").set_index("cell")
+    row = runs.loc["grid/lr8e-4/all/seed0"]
+    assert row["final_reward"] == pytest.approx(0.4288, abs=1e-4) and row["terminal_reward"] < 0.003
+    assert bool(row["absorbing"]) and row["verdict"] == "collapsed"
+    assert runs["absorbing"].astype(bool).sum() == 1
+    grid = _committed_stage("grid")
+    assert [a["cell"] for a in grid["absorbing"]] == ["grid/lr8e-4/all/seed0"]
+    group = next(g for g in grid["groups"] if g["lr"] == "lr8e-4" and g["arm"] == "all")
+    assert group["absorbing"] == 1 and group["terminal_reward"] < group["final_reward"]
+    md = (REPO / "results/reference/collapse-cpu/tables/search_grid.md").read_text()
+    assert "**Absorbing end states**" in md and "grid/lr8e-4/all/seed0 (verdict collapsed, raw terminal reward 0.00228" in md
+
+
+def test_committed_search_says_what_is_before_any_drop_and_compares_mismatch_at_matched_entropy():
+    grid, lever = _committed_stage("grid"), _committed_stage("lever")
+    env = grid["envelope"]
+    assert env["max_pre_collapse_mismatch"] == pytest.approx(9.24e-3, abs=1e-5)  # step 108 of lr8e-4 none seed 3
+    assert env["max_pre_drop_mismatch"] == pytest.approx(8.75e-3, abs=1e-5)  # before its raw reward fell (step 93)
+    assert "0.00875 before any drop" in grid["decision"]["statement"]
+    for stage in (grid, lever):
+        for rung, r in stage["comparison"]["mismatch_ratio"].items():
+            assert 0.72 <= min(r["step1"].values()) and max(r["step1"].values()) <= 0.80, rung  # all < none at step 1
+    assert lever["comparison"]["mismatch_ratio"]["lr4e-4"]["entropy_matched"] == pytest.approx(0.82, abs=0.005)
+    assert grid["comparison"]["mismatch_ratio"]["lr8e-4"]["mean_over_steps"] > 1  # all's policy stayed stochastic
+
+
+@pytest.mark.parametrize("stage", ["grid", "lever"])
+def test_committed_search_stages_have_the_sensitivity_companion(stage):
+    from analysis.collapse_search import SENSITIVITY_LABELS
+
+    summary = _committed_stage(stage)
+    sens = pd.DataFrame(summary["sensitivity"])
+    assert len(sens) == len(summary["groups"])
+    assert {f"collapsed[{label}]" for label in SENSITIVITY_LABELS} <= set(sens)
+    md = (REPO / f"results/reference/collapse-cpu/tables/search_{stage}.md").read_text()
+    assert "### Sensitivity of the verdicts" in md
+    runs = pd.read_csv(REPO / f"results/reference/collapse-cpu/tables/search_{stage}.csv")
+    assert {"verdict_drop_0.4", "verdict_persist_x2", "rule_version", "summary_superseded"} <= set(runs)

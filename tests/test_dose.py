@@ -70,8 +70,16 @@ def test_dose_perturbs_the_sampler_only_and_the_probe_measures_it(tiny_dirs, tmp
 REFERENCE = REPO / "results/reference/cpu"
 
 
-@pytest.mark.skipif(not (REFERENCE / "tables/dose_runs.csv").exists(), reason="no committed dose results")
+def _committed(*parts: str):
+    """A committed reference path: the committed results are part of the contract, so a missing
+    one fails the test (never skips it)."""
+    path = REFERENCE.joinpath(*parts)
+    assert path.exists(), f"committed reference data missing: {path}"
+    return path
+
+
 def test_dose_analysis_regenerates_from_committed_raw_results(tmp_path):
+    _committed("tables/dose_runs.csv")
     out = tmp_path / "tables"
     proc = run_py(["-m", "analysis.dose", "--results", str(REFERENCE), "--out-dir", str(out),
                    "--figure", str(tmp_path / "dose.png")])
@@ -100,8 +108,8 @@ def _link_runs(tmp_path, *run_dirs: str):
 SPIKY = "perturb-mantissa1/sequence_mask-sampler"
 
 
-@pytest.mark.skipif(not (REFERENCE / "dose" / SPIKY).exists(), reason="no committed dose results")
 def test_grad_spike_only_runs_are_not_counted_as_collapses(tmp_path):
+    _committed("dose", SPIKY)
     runs = dose.load_runs(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
     by_seed = runs.set_index("seed")
     for seed in (0, 2):  # grad-norm spikes, reward never held below half its best: events, not collapses
@@ -147,8 +155,8 @@ def test_the_dose_is_the_early_window_not_the_post_collapse_mismatch(tmp_path):
     assert dose.thresholds(runs)["mismatch_steps"].tolist() == [dose.MISMATCH_STEPS]
 
 
-@pytest.mark.skipif(not (REFERENCE / "tables/dose_runs.csv").exists(), reason="no committed dose results")
 def test_the_default_window_ends_before_every_collapse_of_the_committed_grid():
+    _committed("tables/dose_runs.csv")
     runs = _committed_runs()
     assert set(runs["mismatch_steps"]) == {dose.MISMATCH_STEPS}
     assert dose.earliest_collapse_step(runs) > dose.MISMATCH_STEPS
@@ -200,8 +208,8 @@ def test_each_curve_is_compared_with_its_own_bf16_none_anchor():
     assert "BF16 none of this curve 0.004" in mis and "BF16 all 0.0005 (run with IS off only)" in mis
 
 
-@pytest.mark.skipif(not (REFERENCE / "tables/dose_runs.csv").exists(), reason="no committed dose results")
 def test_committed_anchors_exist_per_correction_and_the_statements_quote_them():
+    _committed("tables/dose_runs.csv")
     runs = _committed_runs()
     anchors = dose.anchor_positions(runs)
     none = anchors[anchors["arm"] == "bf16-none"].set_index(["is_correction", "old_logprobs"])["mean_abs_dlogp"]
@@ -215,8 +223,8 @@ def test_committed_anchors_exist_per_correction_and_the_statements_quote_them():
         assert any(f"BF16 none of this curve {v}" in lines[key] for v in (f"({value:.2g})", f"{value:.2g}"))
 
 
-@pytest.mark.skipif(not (REFERENCE / "dose" / SPIKY).exists(), reason="no committed dose results")
 def test_the_sensitivity_table_counts_collapses_under_every_variation(tmp_path):
+    _committed("dose", SPIKY)
     runs = dose.load_runs(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
     table = dose.sensitivity_table(runs)
     labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
@@ -242,3 +250,30 @@ def test_a_runs_setting_is_read_from_its_config_not_its_folder_name(tmp_path):
     path.write_text(json.dumps({**cfg, "is_correction": "token_truncate", "old_logprobs": "trainer"}))
     row = dose.load_runs(tmp_path).iloc[0]
     assert (row["is_correction"], row["old_logprobs"]) == ("token_truncate", "trainer")
+
+
+def test_the_sensitivity_listing_names_every_run_folder_with_a_collapse():
+    """dose.md lists every arm x IS x old-logprob folder with a collapsed or unconfirmed run under
+    the rule or a variation (perturb-mantissa1/off-sampler, 3 of 3 collapsed, among them) and
+    says how many folders and runs it leaves out, each 0 under every variation."""
+    sens = pd.read_csv(_committed("tables/dose_sensitivity.csv"))
+    md = _committed("tables/dose.md").read_text()
+    section = md.split("### Sensitivity of the verdicts")[1].split("### Anchors")[0]
+    flagged = sens[dose.listed(sens)]
+    for a, c, o in zip(flagged["arm"], flagged["is_correction"], flagged["old_logprobs"]):
+        assert f"| {a}/{c}-{o} " in section, (a, c, o)
+    assert "| perturb-mantissa1/off-sampler " in section
+    rest = sens[~dose.listed(sens)]
+    assert f"the other {len(rest)} ({int(rest['runs'].sum())} runs) have 0 collapsed and 0 unconfirmed" in section
+    counts = rest[[c for c in rest if c.startswith(("collapsed", "unconfirmed"))]]
+    assert (counts.to_numpy() == 0).all()
+
+
+def test_committed_dose_runs_report_the_raw_terminal_reward_and_the_rule_version():
+    from rpa.train.collapse import RULE_VERSION
+
+    runs = _committed_runs()
+    assert {"terminal_reward", "absorbing", "rule_version", "summary_superseded"} <= set(runs)
+    assert set(runs["rule_version"]) == {RULE_VERSION} and not runs["absorbing"].astype(bool).any()
+    assert int(runs["summary_superseded"].astype(bool).sum()) == 15  # summaries written under an earlier rule
+    assert "summary_superseded" in _committed("tables/dose.md").read_text()

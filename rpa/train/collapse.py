@@ -21,6 +21,13 @@ dynamic loss scaling skipped for an overflow, logged ``fp16/skipped_step``, is n
 
 All thresholds are data (:class:`CollapseThresholds`, set in each run's config); none live in
 the code.
+
+Beside the verdict, not part of it (:func:`terminal_state`): the **raw terminal reward** (mean
+of the last :data:`TERMINAL_STEPS` logged rewards, unsmoothed) and whether the run ends in an
+**absorbing state** -- raw reward about 0 in groups without reward variance, where GRPO's
+advantages, and so its gradient, vanish -- whatever the persistence window says; and the
+first **dip** (:func:`first_dip_step`): the first step whose raw reward is below the rule's
+level, however briefly. Every verdict carries :data:`RULE_VERSION`.
 """
 
 from __future__ import annotations
@@ -60,6 +67,32 @@ class CollapseThresholds:
 
 
 VERDICTS = ("stable", "unconfirmed", "collapsed")
+
+RULE_VERSION = "v4"
+"""The version of the collapse rule :func:`collapse_verdict` applies, in every verdict it
+returns (and so in every ``summary.json`` written since, and in every table's ``rule_version``
+column). Bump it with any change of what the rule decides (``tests/test_collapse.py`` pins
+:func:`rule_text` to it). The versions, by the commit that introduced them:
+
+- v1 (3203aaa): smoothed reward below a fraction of its running best at any step; a recovery
+  undid it; a grad-norm spike was a collapse;
+- v2 (cd54170): the running best over full smoothing windows only;
+- v3 (84bf996): a drop must persist for ``min_steps_after_drop`` steps, a recovery does not
+  undo it, grad-norm spikes are events, a drop cut short by the end of the run is unconfirmed;
+- v4 (9183b06): a step that FP16 loss scaling skipped for an overflow is not a blow-up.
+
+A ``summary.json`` without ``rule_version`` was written before versions were recorded, under
+the rule of its commit; the tables recompute every verdict under this one
+(:func:`summary_superseded` says where the two differ)."""
+
+TERMINAL_STEPS = 4
+"""The raw terminal reward is the mean of a run's last this many logged (unsmoothed) rewards."""
+ABSORBING_MAX_REWARD = 0.02
+"""An absorbing end state: a raw terminal reward at most this (rewards in [0, 1])..."""
+ABSORBING_MAX_REWARD_STD = 0.02
+"""...with the groups' reward spread (TRL's ``reward_std``: the mean within-group standard
+deviation) at most this on average over the same steps: groups without reward variance give
+GRPO zero advantages, so nothing moves the policy out of it."""
 
 
 def _fraction(x: float) -> str:
@@ -126,6 +159,69 @@ def _first_persistent_run(low: np.ndarray, length: int) -> tuple[int | None, int
     return None, start
 
 
+def terminal_state(records: list[dict[str, Any]], steps: int = TERMINAL_STEPS, reward_key: str = "reward",
+                   std_key: str = "reward_std", grad_key: str = "grad_norm") -> dict[str, Any]:
+    """The raw end of a run, beside its smoothed final reward: ``terminal_reward`` (mean of the
+    last ``steps`` logged rewards, finite ones only; None without any), ``terminal_reward_std``
+    (mean of their ``reward_std``; None where it is not logged), ``terminal_zero_grad_steps``
+    (how many of them have a gradient norm of exactly 0: every group's rewards equal) and
+    ``absorbing`` (raw reward about 0 in groups without reward variance:
+    :data:`ABSORBING_MAX_REWARD`, :data:`ABSORBING_MAX_REWARD_STD`; False where the spread is
+    not logged). Not part of the verdict: reported whatever the persistence window says."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    last = records[-steps:]
+
+    def mean(key: str) -> float | None:
+        values = [float(r[key]) for r in last if r.get(key) is not None and math.isfinite(float(r[key]))]
+        return float(np.mean(values)) if values else None
+
+    reward, spread = mean(reward_key), mean(std_key)
+    zero_grad = sum(1 for r in last if r.get(grad_key) is not None and float(r[grad_key]) == 0.0)
+    absorbing = (reward is not None and spread is not None and reward <= ABSORBING_MAX_REWARD
+                 and spread <= ABSORBING_MAX_REWARD_STD)
+    return {"terminal_reward": reward, "terminal_reward_std": spread, "terminal_zero_grad_steps": zero_grad,
+            "terminal_steps": len(last), "absorbing": bool(absorbing)}
+
+
+def _levels(reward: np.ndarray, t: CollapseThresholds) -> tuple[np.ndarray, np.ndarray]:
+    """(smoothed reward, running best over full windows) of a reward log (non-finite as 0)."""
+    finite = np.where(np.isfinite(reward), reward, np.nan)
+    smoothed = smooth(np.nan_to_num(finite, nan=0.0), t.smoothing_window)
+    # only full windows set the running best: the first steps' partial averages are as noisy
+    # as one batch's reward, and a lucky first batch must not become the level a run "fell" from
+    full = np.where(np.arange(smoothed.size) >= t.smoothing_window - 1, smoothed, -np.inf)
+    return smoothed, np.maximum.accumulate(full)
+
+
+def first_dip_step(records: list[dict[str, Any]], thresholds: CollapseThresholds = CollapseThresholds(),
+                   reward_key: str = "reward") -> int | None:
+    """The first step whose *raw* reward is below the rule's level (``drop_fraction`` x the
+    running best of the smoothed reward, once that best counts), however briefly: the start of
+    any drop, persistent or not (None if the reward never dips). "Before any drop" means before
+    the earlier of this step and the collapse step."""
+    if not records:
+        return None
+    t = thresholds
+    reward = np.array([float(r.get(reward_key, math.nan)) for r in records])
+    _, best = _levels(reward, t)
+    dips = np.flatnonzero((best >= t.min_best_reward) & ~(reward >= t.drop_fraction * best))
+    return int(records[int(dips[0])]["step"]) if dips.size else None
+
+
+def summary_superseded(summary: dict[str, Any] | None, verdict: dict[str, Any]) -> bool:
+    """Whether the verdict a run's ``summary.json`` holds (written by the trainer under the rule
+    of its commit: ``rule_version``, or none before versions were recorded) differs from
+    ``verdict``, the one recomputed under the current rule -- in its ``verdict`` (or, for a
+    summary without one, its ``collapsed`` flag) or its collapse step. Such a summary's verdict
+    is superseded by the tables'."""
+    if not summary or "collapsed" not in summary and "verdict" not in summary:
+        return False
+    old = summary.get("verdict") or ("collapsed" if summary.get("collapsed") else "stable")
+    return (old != verdict.get("verdict") or bool(summary.get("collapsed")) != bool(verdict.get("collapsed"))
+            or summary.get("collapse_step") != verdict.get("collapse_step"))
+
+
 def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThresholds = CollapseThresholds(),
                      reward_key: str = "reward", loss_key: str = "loss",
                      grad_key: str = "grad_norm") -> dict[str, Any]:
@@ -139,11 +235,7 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
     reward = np.array([float(r.get(reward_key, math.nan)) for r in records])
 
     finite = np.where(np.isfinite(reward), reward, np.nan)
-    smoothed = smooth(np.nan_to_num(finite, nan=0.0), t.smoothing_window)
-    # only full windows set the running best: the first steps' partial averages are as noisy
-    # as one batch's reward, and a lucky first batch must not become the level a run "fell" from
-    full = np.where(np.arange(smoothed.size) >= t.smoothing_window - 1, smoothed, -np.inf)
-    best = np.maximum.accumulate(full)
+    smoothed, best = _levels(reward, t)
     low = (best >= t.min_best_reward) & (smoothed < t.drop_fraction * best)
     drop, unconfirmed = _first_persistent_run(low, t.min_steps_after_drop)
 
@@ -181,7 +273,10 @@ def collapse_verdict(records: list[dict[str, Any]], thresholds: CollapseThreshol
         "final_reward": float(smoothed[-1]),
         "reward_auc": auc,
         "steps": len(records),
+        **terminal_state(records, reward_key=reward_key, grad_key=grad_key),
+        "first_dip_step": first_dip_step(records, t, reward_key),
         "thresholds": asdict(t),
+        "rule_version": RULE_VERSION,
     }
 
 
@@ -198,7 +293,8 @@ def run_verdict(records: list[dict[str, Any]], thresholds: CollapseThresholds,
     summary = summary or {}
     if summary.get("status") == "collapsed" and not verdict.get("collapsed"):
         verdict.update(collapsed=True, verdict="collapsed", collapse_step=summary.get("collapse_step"),
-                       collapse_reason=summary.get("collapse_reason"), unconfirmed_drop_step=None)
+                       collapse_reason=summary.get("collapse_reason"), unconfirmed_drop_step=None,
+                       rule_version=RULE_VERSION)
     return verdict
 
 
