@@ -31,7 +31,8 @@ from rpa.core.jsonfiles import atomic_path, write_text
 
 METRICS = ("tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
            "full_kl", "seq_log_ratio_mean_abs", "seq_log_ratio_max_abs", "frac_ratio_outside")
-PROBE_COLUMNS = ("model", "config", "regions", "precision", "lm_head_fp32", "trainer_mode", *METRICS, "entropy",
+PROBE_COLUMNS = ("model", "config", "regions", "precision", "lm_head_fp32", "trainer_mode", "trainer_attention",
+                 *METRICS, "entropy",
                  "batch_vs_single_mean_abs_dlogp", "batch_vs_sampler_mean_abs_dlogp", "rel_mean_abs_dlogp_vs_none",
                  "mean_abs_dlogp_change", "mean_abs_dlogp_low", "mean_abs_dlogp_high", "change_note", "parity_passed")
 SINGLE_REGIONS = ("rope", "swiglu", "rmsnorm")
@@ -79,7 +80,9 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
     if not rows:
         raise SystemExit(f"no probe summaries under {results}/probe")
     df = pd.DataFrame(rows)
-    attention = df["trainer_attention"].fillna("stock") if "trainer_attention" in df else "stock"  # older summaries
+    # summaries older than the option computed the stock attention
+    df["trainer_attention"] = df["trainer_attention"].fillna("stock") if "trainer_attention" in df else "stock"
+    attention = df["trainer_attention"]
     stock = df[(df.regions == "none") & (df.precision == "bf16") & ~df.lm_head_fp32 & (df.trainer_mode == "compute")
                & (attention == "stock")]
     stock = stock.assign(_named=stock.config != "none").sort_values(["model", "_named"], kind="stable")
