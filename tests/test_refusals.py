@@ -175,10 +175,10 @@ def test_run_config_values(capsys, model, tmp_path, overrides, needle):
 
 
 def test_run_config_spellings_users_write_are_accepted(model, tmp_path):
-    cfg = TrainConfig.from_yaml(run_config(tmp_path, model, learning_rate="1e-4", report_to="wandb"))
-    assert cfg.learning_rate == 1e-4 and cfg.report_to == ("wandb",)
+    cfg = TrainConfig.from_yaml(run_config(tmp_path, model, learning_rate="1e-4", report_to="none"))
+    assert cfg.learning_rate == 1e-4 and cfg.report_to == ("none",)  # one name where a list belongs
     # YAML 1.1 itself reads 1e-4 as a string: the file as a user writes it
-    (tmp_path / "plain.yaml").write_text(f"model: {model}\nlearning_rate: 1e-4\nreport_to: wandb\n")
+    (tmp_path / "plain.yaml").write_text(f"model: {model}\nlearning_rate: 1e-4\nreport_to: none\n")
     assert TrainConfig.from_yaml(tmp_path / "plain.yaml").learning_rate == 1e-4
 
 

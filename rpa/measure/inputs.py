@@ -23,9 +23,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """A checkpoint directory's tokenizer: one of these beside ``tokenizer_config.json``."""
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
+def _first_line(err: BaseException, limit: int = 240) -> str:
+    """An exception in one line: its message's lines joined (some libraries put the reason on the
+    second), cut at ``limit`` characters."""
+    text = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
+    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def check_model(spec: str) -> Any:

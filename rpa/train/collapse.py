@@ -64,6 +64,8 @@ class CollapseThresholds:
             raise ValueError(f"drop_fraction must be in (0, 1), got {self.drop_fraction}")
         if self.spike_factor <= 1:
             raise ValueError(f"spike_factor must be > 1, got {self.spike_factor}")
+        if not self.min_best_reward >= 0:  # NaN fails this too
+            raise ValueError(f"min_best_reward must be >= 0, got {self.min_best_reward}")
 
 
 VERDICTS = ("stable", "unconfirmed", "collapsed")

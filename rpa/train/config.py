@@ -239,6 +239,10 @@ class TrainConfig:
             raise TrainConfigError("vllm_tensor_parallel_size: must be >= 1")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise TrainConfigError("vllm_gpu_memory_utilization: must be in (0, 1]")
+        if self.report_to:
+            problem = report_to_problem(self.report_to)
+            if problem:
+                raise TrainConfigError(f"report_to: {problem}")
         if self.numerics.device != "auto":
             raise TrainConfigError("numerics.device: training places the model where accelerate does; leave it 'auto'")
         self.micro_batching()  # raises on a split that does not add up
@@ -298,12 +302,12 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
-        import yaml
+        from rpa.core.yamlfiles import YamlError, load_yaml
 
         try:
-            data = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as err:
-            raise TrainConfigError(f"{path}: {err}") from None
+            data = load_yaml(path)  # a duplicate key refused; an error in one line with line and column
+        except YamlError as err:
+            raise TrainConfigError(str(err)) from None
         try:
             return cls.from_dict(data)
         except TrainConfigError as err:
@@ -318,6 +322,29 @@ class TrainConfig:
     @property
     def completions_per_step(self) -> int:
         return self.prompts_per_step * self.num_generations
+
+
+REPORT_PACKAGES = {"comet_ml": "comet_ml", "mlflow": "mlflow", "neptune": "neptune", "tensorboard": "tensorboard",
+                   "trackio": "trackio", "wandb": "wandb", "codecarbon": "codecarbon", "clearml": "clearml",
+                   "dagshub": "dagshub", "flyte": "flytekit", "dvclive": "dvclive", "swanlab": "swanlab",
+                   "azure_ml": "azureml", "kubeflow": "kubeflow"}
+"""The package each of transformers' reporting targets needs (a target that is not installed fails
+inside transformers, after the engines started)."""
+
+
+def report_to_problem(targets: tuple[str, ...]) -> str | None:
+    """Why ``report_to`` cannot work here: a target transformers does not know, or one whose package
+    is not installed (checked from the target names; transformers' integrations are not imported)."""
+    import importlib.util
+
+    unknown = [t for t in targets if t not in REPORT_PACKAGES and t not in ("none", "all")]
+    if unknown:
+        return (f"unknown target(s) {', '.join(map(repr, unknown))}{_did_you_mean(unknown, set(REPORT_PACKAGES))}; "
+                f"valid: {', '.join(sorted(REPORT_PACKAGES))}")
+    missing = [t for t in targets if t in REPORT_PACKAGES and importlib.util.find_spec(REPORT_PACKAGES[t]) is None]
+    if missing:
+        return f"{', '.join(missing)}: the package {REPORT_PACKAGES[missing[0]]!r} is not installed"
+    return None
 
 
 def _did_you_mean(unknown: list[str], known: set[str]) -> str:

@@ -1,0 +1,271 @@
+"""The second bad-input pass (issue 33), kind by kind: each case refused in one line with exit 2
+before any model or engine loads, nothing created. In-process (``rpa.cli.main``), as in
+``tests/test_refusals.py``; the Snakemake cases run the workflow's own parse in a subprocess."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rpa.cli import main
+from tests.conftest import REPO
+
+
+def refused(capsys, argv, needle, absent=None):
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"rpa {argv[0]}: error: ") and needle in lines[0], err
+    if absent is not None:
+        assert not absent.exists(), f"{absent} was created"
+
+
+@pytest.fixture
+def model(tiny_dirs, tmp_path):
+    return shutil.copytree(tiny_dirs["qwen3"], tmp_path / "model")
+
+
+def probe(model, out, *extra):
+    return ["probe", "--model", model, "--regions", "all", "--out", out, *extra]
+
+
+def _edit_config(model, **changes):
+    config = json.loads((model / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (model / "config.json").write_text(json.dumps(config))
+
+
+def _write_header(path, header: bytes):
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+# ------------------------------------------------------- kind 1: bad checkpoints, from their files
+
+def test_safetensors_headers_that_do_not_describe_tensors(capsys, model, tmp_path):
+    weights = model / "model.safetensors"
+    _write_header(weights, b"[1, 2, 3]")
+    refused(capsys, probe(model, tmp_path / "o"), "safetensors header is a JSON list, not a mapping",
+            absent=tmp_path / "o")
+    _write_header(weights, json.dumps({"model.norm.weight": {"dtype": "BF16", "shape": [128]}}).encode())
+    refused(capsys, probe(model, tmp_path / "o"), "header entry 'model.norm.weight' is not a tensor description")
+
+
+def test_an_index_whose_entries_are_not_strings_and_a_bin_only_checkpoint(capsys, model, tmp_path):
+    weights = model / "model.safetensors"
+    weights.rename(model / "shard-1.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": 1}}))
+    refused(capsys, probe(model, tmp_path / "o"), "weight_map must map tensor names to shard file names")
+    (model / "model.safetensors.index.json").unlink()
+    (model / "shard-1.safetensors").unlink()
+    (model / "pytorch_model.bin").write_bytes(b"pickle")
+    refused(capsys, probe(model, tmp_path / "o"), "pytorch_model.bin only")
+
+
+def test_a_corrupt_tokenizer_and_a_token_past_the_embedding(capsys, model, tmp_path):
+    tokenizer = model / "tokenizer.json"
+    good = tokenizer.read_text()
+    tokenizer.write_text(good[: len(good) // 2])
+    refused(capsys, probe(model, tmp_path / "o"), "tokenizer.json: unreadable")
+    tokenizer.write_text(good)
+    _edit_config(model, vocab_size=300)
+    refused(capsys, probe(model, tmp_path / "o"), "past the model's vocab_size 300")
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"architectures": None}, "config.json names no architectures"),
+    ({"architectures": ["Qwen3ForSequenceClassification"]}, "is not the causal LM 'Qwen3ForCausalLM'"),
+    ({"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}, "the weights lack"),
+    ({"head_dim": 64}, "in the weights"),
+    ({"intermediate_size": 512}, "in the weights"),
+])
+def test_a_config_the_weights_do_not_fit(capsys, model, tmp_path, changes, needle):
+    _edit_config(model, **changes)
+    refused(capsys, probe(model, tmp_path / "o"), needle, absent=tmp_path / "o")
+
+
+def test_qwen2_weights_under_a_qwen3_config(capsys, tiny_dirs, tmp_path):
+    """Same sizes, another family: q/k/v biases the Qwen3 model has no place for, q/k norms it lacks."""
+    model = shutil.copytree(tiny_dirs["qwen2"], tmp_path / "model")
+    qwen3 = json.loads((tiny_dirs["qwen3"] / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**qwen3, "head_dim": 32, "hidden_size": 128}))
+    refused(capsys, probe(model, tmp_path / "o"), "the weights lack")
+
+
+def test_a_context_longer_than_the_models(capsys, model, tmp_path):
+    refused(capsys, probe(model, tmp_path / "o", "--max-model-len", "4096"),
+            "--max-model-len 4096 exceeds the model's max_position_embeddings (1024)")
+
+
+# ------------------------------------------ kind 2: values only vLLM or torch checked, checked up front
+
+def run_config(tmp_path, model, **overrides):
+    cfg = {"model": str(model), "task": {"name": "synthetic-add", "num_prompts": 64}, "steps": 2, **overrides}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"temperature": float("inf")}, "temperature: must be a finite number"),
+    ({"numerics": "all"}, "numerics must be a mapping"),
+    ({"sync_check": {"probe_tokens": 400}, "max_prompt_length": 64, "max_completion_length": 32},
+     "sync_check.probe_tokens 400 is longer than the engine's context (104 tokens)"),
+    ({"report_to": ["tensorbord"]}, "unknown target(s) 'tensorbord' (did you mean tensorboard?)"),
+    ({"report_to": ["wandb"]}, "wandb: the package 'wandb' is not installed"),
+])
+def test_run_values_vllm_or_transformers_would_have_refused_late(capsys, model, tmp_path, overrides, needle):
+    cfg = run_config(tmp_path, model, **overrides)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], needle, absent=tmp_path / "run")
+
+
+def test_probe_values_only_vllm_checked(capsys, model, tmp_path):
+    refused(capsys, probe(model, tmp_path / "o", "--seed", str(2 ** 32)), "seed must be in [0, 2**32)")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "ratio_band": 1.25}))
+    refused(capsys, ["probe", "--config", job, "--out", tmp_path / "o"], "ratio_band: must be a list of 2 values")
+    binary = tmp_path / "c.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    refused(capsys, probe(model, tmp_path / "o", "--completions", binary), "not a text file")
+    binary.write_text(json.dumps({"seq": 0, "prompt_ids": 5, "completion_ids": [3]}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", binary), "must be non-empty lists of token ids")
+    dangling = tmp_path / "link"
+    os.symlink(tmp_path / "nowhere", dangling)
+    refused(capsys, probe(model, dangling), "a symbolic link to")
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------- kind 3: what was accepted silently
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--max-tokens", "1024"], "max_tokens 1024 leaves no room for a prompt in max_model_len 1024"),
+    (["--regions", ""], "empty region set ''"),
+    (["--full-kl-max-vocab", "-1"], "full_kl_max_vocab must be >= 0"),
+    (["--ratio-band", "0.8", "inf"], "ratio_band: must be a finite number"),
+])
+def test_probe_values_that_were_taken_silently(capsys, model, tmp_path, extra, needle):
+    argv = probe(model, tmp_path / "o", *extra)
+    if extra[0] == "--regions":
+        argv = ["probe", "--model", model, *extra, "--out", tmp_path / "o"]
+    refused(capsys, argv, needle, absent=tmp_path / "o")
+
+
+def test_a_bool_for_a_count_and_an_empty_out(capsys, model, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "prompts": True}))
+    refused(capsys, ["probe", "--config", job, "--out", tmp_path / "o"], "prompts: must be an integer, got True")
+    refused(capsys, probe(model, ""), "--out is empty")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--rope-theta", "inf"], "rope_theta: must be a finite number"),
+    (["--initializer-range", "nan"], "initializer_range: must be a finite number"),
+    (["--seed", "-1"], "seed must be in [0, 2**32)"),
+    (["--max-position-embeddings", "8"], "max_position_embeddings 8 cannot hold a prompt"),
+])
+def test_tiny_values_that_were_taken_silently(capsys, tmp_path, extra, needle):
+    refused(capsys, ["tiny", "--out", tmp_path / "t", *extra], needle, absent=tmp_path / "t")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"learning_rate": float("inf")}, "learning_rate: must be a finite number"),
+    ({"beta": float("nan")}, "beta: must be a finite number"),
+    ({"numerics": {"regions": ""}}, "empty region set"),
+    ({"collapse": {"drop_fraction": float("nan")}}, "collapse.drop_fraction: must be a finite number"),
+    ({"collapse": {"min_best_reward": -0.5}}, "min_best_reward must be >= 0"),
+])
+def test_run_values_that_were_taken_silently(capsys, model, tmp_path, overrides, needle):
+    cfg = run_config(tmp_path, model, **overrides)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], needle, absent=tmp_path / "run")
+
+
+def test_duplicate_yaml_keys_and_a_warm_start_of_no_steps(capsys, model, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {model}\nsteps: 2\nlearning_rate: 1.0e-4\nsteps: 3\n")
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], "run.yaml:4:1: duplicate key 'steps'")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {model}\nregions: all\nregions: none\n")
+    refused(capsys, ["probe", "--config", job, "--out", tmp_path / "o"], "duplicate key 'regions'")
+    ws = run_config(tmp_path, model, warm_start={"steps": 0})
+    refused(capsys, ["warm-start", "--config", ws, "--out", tmp_path / "ws"], "a warm start of no steps",
+            absent=tmp_path / "ws")
+
+
+def test_a_directory_holding_another_commands_output_is_refused(capsys, model, tmp_path):
+    """The one case that lost data: train into a finished probe's directory (and back) overwrote the
+    other command's summary.json."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    (probe_dir / "options.json").write_text(json.dumps({"command": "probe", "options": {}}))
+    (probe_dir / "summary.json").write_text("{}")
+    cfg = run_config(tmp_path, model)
+    refused(capsys, ["train", "--config", cfg, "--out", probe_dir], "holds the output of rpa probe")
+    run_dir = tmp_path / "run"
+    (run_dir / "init_model").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    refused(capsys, probe(model, run_dir), "holds the output of rpa train")
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", run_dir],
+            "holds the output of rpa train")
+    assert (probe_dir / "summary.json").read_text() == "{}"
+
+
+# ------------------------------------------------------------------ kind 4: one line, not a dump
+
+def test_argparse_and_yaml_errors_are_one_line(capsys, model, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["probe", "--model", str(model), "--regions", "all", "--out", str(tmp_path / "o"), "--prompts", "x"])
+    assert exit_.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "argument --prompts: invalid int value: 'x'" in err[0], err
+    job = tmp_path / "job.yaml"
+    job.write_text("model: [a, b\nregions: all\n")
+    refused(capsys, ["probe", "--config", job, "--out", tmp_path / "o"], "job.yaml:2:")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", tmp_path), "is a directory, not a completions file")
+
+
+def _snakemake_parse(tmp_path, config):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.cli
+def test_snakemake_configs_are_refused_at_parse_time_in_one_line(tmp_path):
+    base = yaml.safe_load((REPO / "experiments/toys.yaml").read_text())
+    base["results"] = str(tmp_path / "results")
+    cases = [
+        ({**base, "diagnosee": base["diagnose"]}, "unknown key(s) 'diagnosee' (did you mean 'diagnose'?)"),
+        ({**base, "diagnose": {"sequencs": 2, "configs": []}}, "diagnose: unknown key(s) 'sequencs' (did you mean"),
+        ({**base, "results": 5}, "results: 5 is not of type 'string'"),
+        ({**base, "models": {"m": {"path": str(tmp_path / "missing")}}}, "no such directory, and not a hub id"),
+    ]
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    cases.append(({**base, "models": {"m": {"path": str(mistral)}}}, "model_type='mistral'"))
+    for config, needle in cases:
+        proc = _snakemake_parse(tmp_path, config)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode != 0 and any(needle in line for line in lines), proc.stderr[-2000:]
+        assert sum(line.startswith("rpa config: error:") for line in lines) == 1 and len(lines) <= 3, lines
+        assert not (tmp_path / "results").exists()
+
+
+def test_a_study_naming_an_unknown_reference_arm():
+    from rpa.workflow.pipeline import PipelineConfigError, check_config
+
+    config = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+    config["study"]["reference_arm"] = "nnone"
+    with pytest.raises(PipelineConfigError, match="study.reference_arm: 'nnone' is not an arm of study.arms "
+                                                  r"\(did you mean 'none'\?\)"):
+        check_config(config)
