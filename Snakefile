@@ -41,6 +41,9 @@ except PipelineConfigError as err:  # one line per invalid entry
 include: "rules/common.smk"
 
 
+report: "rules/report/workflow.rst"  # snakemake --report report.html: the tables and figures with captions
+
+
 rule all:
     input:
         probe_tables(),

@@ -7,9 +7,9 @@ rule aggregate:
         diagnose=diagnose_tables(),
         parity=expand(f"{R}/parity/{{model}}.json", model=MODELS),
     output:
-        csv=f"{R}/tables/probe.csv",
+        csv=report(f"{R}/tables/probe.csv", caption="report/probe.rst", category="Probe"),
         md=f"{R}/tables/probe.md",
-        diagnose=f"{R}/tables/diagnose.csv",
+        diagnose=report(f"{R}/tables/diagnose.csv", caption="report/diagnose.rst", category="Diagnosis"),
     params:
         configs=" ".join(CONFIGS),
     log:
@@ -26,7 +26,7 @@ rule figures:
         diagnose=f"{R}/tables/diagnose.csv",
         tokens=figure_tokens(),
     output:
-        analysis_figures(),
+        [report(f, caption="report/figures.rst", category="Figures") for f in analysis_figures()],
     params:
         configs=" ".join(FIGURES["dlogp_vs_prob_configs"]) or "none",
     log:

@@ -45,10 +45,11 @@ rule attribution_table:
         expand(f"{R}/attribution/{{model}}/{{numerics}}/summary.json", model=ATTRIBUTION["models"],
                numerics=ATTRIBUTION["configs"]),
     output:
-        csv=f"{R}/tables/attribution.csv",
+        csv=report(f"{R}/tables/attribution.csv", caption="report/attribution.rst", category="Attribution"),
         md=f"{R}/tables/attribution.md",
-        ops=f"{R}/tables/attribution_ops.csv",
-        figure=f"{R}/figures/attribution.{FIGURES['format']}",
+        ops=report(f"{R}/tables/attribution_ops.csv", caption="report/attribution.rst", category="Attribution"),
+        figure=report(f"{R}/figures/attribution.{FIGURES['format']}", caption="report/attribution.rst",
+                      category="Attribution"),
     log:
         f"{R}/logs/attribution.log",
     conda:

@@ -126,10 +126,12 @@ rule search_aggregate:
         runs=lambda wc: search_summaries(wc.stage),
         manifest=f"{R}/search/{{stage}}/manifest.json",
     output:
-        csv=f"{R}/tables/search_{{stage}}.csv",
+        csv=report(f"{R}/tables/search_{{stage}}.csv", caption="report/search.rst", category="Collapse search",
+                   subcategory="{stage}"),
         md=f"{R}/tables/search_{{stage}}.md",
         json=f"{R}/tables/search_{{stage}}.json",
-        fig=f"{R}/figures/search_{{stage}}.{FIGURES['format']}",
+        fig=report(f"{R}/figures/search_{{stage}}.{FIGURES['format']}", caption="report/search.rst",
+                   category="Collapse search", subcategory="{stage}"),
     log:
         f"{R}/logs/search_{{stage}}.log",
     conda:

@@ -161,6 +161,15 @@ def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
         assert_figure(res / f"figures/{name}.png")
     again = snakemake("--cores", "2", "--configfile", str(cfg))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
+    # the Snakemake report of the main job: every table and figure, with its caption
+    report = tmp_path / "report.html"
+    made = snakemake("--report", str(report), "--configfile", str(cfg))
+    assert made.returncode == 0 and report.stat().st_size > 10_000, tail(made)
+    html = report.read_text()
+    for name in ("probe.csv", "diagnose.csv", "mismatch.png", "dlogp_vs_prob.png", "layers.png",
+                 "Per-layer divergence", "Probe table"):
+        assert name in html, name
+    assert "Undefined substitution" not in made.stderr
 
 
 def test_lock_checker_finds_conflicts_and_missing_pins():
