@@ -271,33 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arg(parity)
     parity.set_defaults(func=_cmd_parity)
 
-    probe = sub.add_parser("probe", help="sample with vLLM, rescore with the trainer, write mismatch metrics")
-    probe.add_argument("--model", help="model directory (or hub id); required")
-    _add_numerics_args(probe)
-    probe.add_argument("--out", help="output directory (summary.json, tokens.csv); required")
-    probe.add_argument("--completions", help="score these fixed completions (a completions.jsonl of another "
-                                             "probe run) instead of sampling")
-    add_arguments(probe, ProbeOptions)  # one flag per field, default and help from the dataclass
-    probe.set_defaults(func=_cmd_probe)
-
-    diag = sub.add_parser("diagnose", help="per-layer, per-region-boundary hidden-state divergence, vLLM vs trainer")
-    diag.add_argument("--model", help="model directory (or hub id); required")
-    _add_numerics_args(diag)
-    diag.add_argument("--out", help="output directory (layers.csv, summary.json); required")
-    diag.add_argument("--completions", help="take token sequences (prompt + completion) from a probe's completions.jsonl")
-    add_arguments(diag, DiagnoseOptions)
-    diag.set_defaults(func=_cmd_diagnose)
-
-    attr = sub.add_parser("attribute", help="which unaligned kernel carries the rest of the mismatch: the trainer "
-                                            "rescored with vLLM's own GEMMs / LM head swapped in, rung by rung")
-    attr.add_argument("--model", help="model directory; required")
-    _add_numerics_args(attr)
-    attr.add_argument("--out", help="output directory (tokens.csv, summary.json); required")
-    attr.add_argument("--completions", help="the token sequences to score (a probe's completions.jsonl); required")
     from rpa.measure.attribution import AttributionOptions
 
-    add_arguments(attr, AttributionOptions)
-    attr.set_defaults(func=_cmd_attribute)
+    def measuring(name: str, help_text: str, out: str, completions: str, options: type, func) -> argparse.ArgumentParser:
+        """A command that measures the two engines on a model in one numerics configuration."""
+        command = sub.add_parser(name, help=help_text)
+        command.add_argument("--model", help="model directory (or hub id); required")
+        _add_numerics_args(command)
+        command.add_argument("--out", help=f"output directory ({out}); required")
+        command.add_argument("--completions", help=completions)
+        add_arguments(command, options)  # one flag per field, default and help from the dataclass
+        command.set_defaults(func=func)
+        return command
+
+    probe = measuring("probe", "sample with vLLM, rescore with the trainer, write mismatch metrics",
+                      "summary.json, tokens.csv", "score these fixed completions (a completions.jsonl of another "
+                      "probe run) instead of sampling", ProbeOptions, _cmd_probe)
+    diag = measuring("diagnose", "per-layer, per-region-boundary hidden-state divergence, vLLM vs trainer",
+                     "layers.csv, summary.json", "take token sequences (prompt + completion) from a probe's "
+                     "completions.jsonl", DiagnoseOptions, _cmd_diagnose)
+    attr = measuring("attribute", "which unaligned kernel carries the rest of the mismatch: every op replayed on "
+                     "vLLM's inputs, and the trainer rescored with vLLM's own GEMMs / LM head, rung by rung",
+                     "tokens.csv, ops.csv, summary.json", "the token sequences to score (a probe's "
+                     "completions.jsonl); required", AttributionOptions, _cmd_attribute)
 
     train = sub.add_parser("train", help="GRPO run (TRL + colocated vLLM) with one numerics configuration")
     train.add_argument("--config", required=True, action="append",

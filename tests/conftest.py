@@ -65,3 +65,27 @@ def assert_figure(path, min_side: int = 200) -> None:
     assert img.shape[0] >= min_side and img.shape[1] >= min_side, (path, img.shape)
     assert float(img[..., :3].std()) > 0.01, f"{path} is blank"
 
+
+
+def refused(capsys, argv, needle, absent=None):
+    """``rpa argv`` (in-process, ``rpa.cli.main``) exits 2 with one ``rpa <command>: error: ...`` line
+    on stderr containing ``needle`` and creates nothing at ``absent``."""
+    from rpa.cli import main
+
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"rpa {argv[0]}: error: ") and needle in lines[0], err
+    if absent is not None:
+        assert not absent.exists(), f"{absent} was created"
+    return lines[0]
+
+
+def write_run_config(tmp_path, model, **overrides):
+    """A small run config for ``model`` (overrides on top) at ``tmp_path/run.yaml``."""
+    import yaml
+
+    cfg = {"model": str(model), "task": {"name": "synthetic-add", "num_prompts": 64}, "steps": 2, **overrides}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

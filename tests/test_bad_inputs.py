@@ -13,16 +13,7 @@ import pytest
 import yaml
 
 from rpa.cli import main
-from tests.conftest import REPO
-
-
-def refused(capsys, argv, needle, absent=None):
-    assert main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"rpa {argv[0]}: error: ") and needle in lines[0], err
-    if absent is not None:
-        assert not absent.exists(), f"{absent} was created"
+from tests.conftest import REPO, refused, write_run_config
 
 
 @pytest.fixture
@@ -107,11 +98,7 @@ def test_a_context_longer_than_the_models(capsys, model, tmp_path):
 
 # ------------------------------------------ kind 2: values only vLLM or torch checked, checked up front
 
-def run_config(tmp_path, model, **overrides):
-    cfg = {"model": str(model), "task": {"name": "synthetic-add", "num_prompts": 64}, "steps": 2, **overrides}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+run_config = write_run_config
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -16,18 +16,7 @@ import yaml
 
 from rpa.cli import main
 from rpa.train.config import TrainConfig
-
-
-def refused(capsys, argv, needle, absent=None):
-    """``rpa argv`` exits 2 with one ``rpa ...`` line on stderr containing ``needle`` and
-    creates nothing at ``absent``."""
-    assert main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"rpa {argv[0]}: error: ") and needle in lines[0], err
-    if absent is not None:
-        assert not absent.exists(), f"{absent} was created"
-    return lines[0]
+from tests.conftest import refused, write_run_config
 
 
 @pytest.fixture
@@ -125,11 +114,7 @@ def test_out_inside_the_model(capsys, model, tmp_path):
     refused(capsys, probe(model, model / "probe"), "is (or is inside) the input")
 
 
-def run_config(tmp_path, model, **overrides):
-    cfg = {"model": str(model), "task": {"name": "synthetic-add", "num_prompts": 64}, "steps": 2, **overrides}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+run_config = write_run_config
 
 
 def test_warm_start_and_train_outputs(capsys, model, tmp_path):
@@ -242,7 +227,7 @@ def test_a_directory_another_process_runs_is_refused(tmp_path):
 def test_a_misspelt_arm_key_is_reported_once_with_a_suggestion():
     """One line per distinct error, not one per (model, seed) cell that repeats it."""
     from rpa.workflow.pipeline import PipelineConfigError, check_config
-    from tests.conftest import REPO
+    from tests.conftest import REPO, refused, write_run_config
 
     config = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
     arm = list(config["study"]["arms"])[1]
