@@ -7,7 +7,7 @@ and again, each time with some of its GEMMs computed **by vLLM's own layer objec
 modules, prepacked weights and kernels the engine ran), and the gap to vLLM's logprobs is
 measured for each such *rung* (:data:`RUNGS`). What no rung removes is what the trainer computes
 differently from vLLM outside the swapped ops: with the regions aligned (``all``, checked
-bitwise by ``rpa parity``), that is attention and the residual arithmetic around it.
+bitwise by ``rpa parity``), attention and whatever else the op-by-op replay below finds different.
 
 This is a diagnosis, not a method arm: a trainer cannot train through vLLM's inference
 kernels (no backward). It says which kernel would have to change to close the gap, and how much
@@ -26,9 +26,10 @@ two outputs compared. An op that is bitwise equal there computes the same functi
 the ones that differ are where the gap starts, whatever amplifies it downstream.
 
 Output (``out_dir``): ``tokens.csv`` (one row per completion token: the sampler's logprob and
-each rung's, ``logp_<rung>``), ``ops.csv`` (columns :data:`LOCAL_COLUMNS`) and ``summary.json`` (schema :data:`SCHEMA`: per rung the mismatch
-metrics of :func:`rpa.measure.metrics.mismatch_metrics`); the change of each rung vs
-``trainer`` with its paired interval is :mod:`analysis.attribution`'s table.
+each rung's, ``logp_<rung>``), ``ops.csv`` (columns :data:`LOCAL_COLUMNS`) and ``summary.json``
+(schema :data:`SCHEMA`: per rung the mismatch metrics of :func:`rpa.measure.metrics.mismatch_metrics`,
+per op the replay's summary); the change of each rung vs ``trainer`` with its paired interval is
+:mod:`analysis.attribution`'s table.
 """
 
 from __future__ import annotations

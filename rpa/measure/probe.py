@@ -58,8 +58,9 @@ TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", 
                  "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer")
 """``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
 exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time), ``full_kl`` and
-``logp_trainer_batch`` (past ``batch_sequences``) are empty where not measured; ``entropy_trainer`` is the entropy (nats) of the trainer's
-next-token distribution at that position (mismatch tracks it: report them together)."""
+``logp_trainer_batch`` (past ``batch_sequences``) are empty where not measured; ``entropy_trainer`` is
+the entropy (nats) of the trainer's next-token distribution at that position (mismatch tracks it:
+report them together)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                    max_model_len=options.max_model_len, enable_prefix_caching=False,
                    max_logprobs=vocab if full else 20)
     if completions_path is None:
-        prompts = probe_prompts(options.prompts, options.seed, options.prompts_file, AutoTokenizer.from_pretrained(model))
+        tokenizer = AutoTokenizer.from_pretrained(model)  # to render a chat-format prompt file's conversations
+        prompts = probe_prompts(options.prompts, options.seed, options.prompts_file, tokenizer)
         completions = sample_completions(llm, prompts, options.samples, options.max_tokens)
         save_completions(out / "completions.jsonl", completions)
         _log(f"sampled {len(completions)} completions")
