@@ -256,8 +256,8 @@ def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_
     want = tokenizer(tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False).input_ids
     sampled = [json.loads(line) for line in (tmp_path / "p" / "completions.jsonl").read_text().splitlines()]
-    assert sampled[0]["prompt_ids"] == want and want[-3:] == tokenizer("<|im_start|>assistant\n",
-                                                                       add_special_tokens=False).input_ids
+    opened = tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids  # the assistant's turn
+    assert sampled[0]["prompt_ids"] == want and want[-len(opened):] == opened
     recorded = json.loads((tmp_path / "p" / "options.json").read_text())["options"]
     assert recorded["prompts_file_sha1"] and recorded["prompts_file"] == str(prompts)
     # too few prompts in the file: one line, before an engine starts
@@ -276,21 +276,22 @@ def test_attribution_swaps_vllms_kernels_in_and_replays_every_op(tiny_dirs, tmp_
     out = {}
     for regions in ("all", "none"):
         proc = run_py(["-m", "rpa.cli", "attribute", "--model", str(model), "--regions", regions, "--completions",
-                       completions, "--out", str(tmp_path / regions), "--sequences", "6", "--local-sequences", "2"])
+                       completions, "--out", str(tmp_path / f"attr-{regions}"), "--sequences", "6",
+                       "--local-sequences", "2"])
         assert proc.returncode == 0, tail(proc)
-        out[regions] = json.loads((tmp_path / regions / "summary.json").read_text())
+        out[regions] = json.loads((tmp_path / f"attr-{regions}" / "summary.json").read_text())
     from rpa.measure.attribution import LOCAL_OPS, RUNGS
 
     aligned, stock = out["all"], out["none"]
     assert list(aligned["rungs"]) == list(RUNGS) and aligned["sequences"] == 6
-    assert aligned["tokens"] == sum(1 for line in open(tmp_path / "all" / "tokens.csv")) - 1
+    assert aligned["tokens"] == sum(1 for line in open(tmp_path / "attr-all" / "tokens.csv")) - 1
     assert set(aligned["local_ops"]) == set(LOCAL_OPS)  # every op of every layer was captured and replayed
     for op in ("input_norm", "post_norm", "final_norm", "rope", "swiglu", "post_add", "final_add"):
         assert aligned["local_ops"][op]["frac_bitwise_equal"] == 1.0, (op, aligned["local_ops"][op])
     assert stock["local_ops"]["rope"]["frac_bitwise_equal"] < 1.0  # stock RoPE rounds three times on HF's side
     assert stock["local_ops"]["post_norm"]["frac_bitwise_equal"] < 1.0  # vLLM norms the unrounded sum
     assert none["mean_abs_dlogp"] > 0 and aligned["rungs"]["trainer"]["mean_abs_dlogp"] > 0
-    rows = list(csv_rows(tmp_path / "all" / "ops.csv"))
+    rows = list(csv_rows(tmp_path / "attr-all" / "ops.csv"))
     assert {r["op"] for r in rows} == set(aligned["local_ops"]) and all(int(r["elements"]) > 0 for r in rows)
 
 
