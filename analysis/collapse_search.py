@@ -181,10 +181,15 @@ def paired_pilot(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame) -> tuple[
         choice.update(chosen=None, unfinished=unfinished)  # the rule is over the whole pilot
         return out, choice
     if out["eligible"].any():
-        best = out[out["eligible"]]["reference_step1_mismatch"].idxmax()
+        eligible = out[out["eligible"]]["reference_step1_mismatch"]
+        best = eligible.idxmax()  # the first of equal maxima, in the config's axis order
         out.loc[best, "chosen"] = True
         choice["chosen"] = "/".join(str(out.loc[best, a]) for a in rung_axes)
         choice["chosen_row"] = dict(out.loc[best].items())
+        # step 1 is sampled from the same weights with the same seed, so rungs that differ only in a
+        # setting that acts after it (the learning rate) tie exactly: say so beside the choice
+        choice["tied_with"] = ["/".join(str(out.loc[i, a]) for a in rung_axes)
+                               for i in eligible.index if i != best and eligible[i] == eligible[best]]
     else:
         choice["chosen"] = None
     return out, choice
@@ -758,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"logged steps exceeds that of the first {r['learn_fraction']:g} by at least {r['min_gain']} -- and stays stable "
                 f"(finished, no collapse); chosen = the eligible rung whose `{r['reference_arm']}` run has the largest "
                 f"step-1 mean |dlogp|.\n\nChosen: **{summary['chosen'] or ('pilot unfinished' if summary.get('unfinished') else 'no rung is eligible')}**\n\n")
+        if summary.get("tied_with"):
+            text += (f"Tied at the same step-1 mismatch (step 1 samples the same weights with the same seed): "
+                     f"{', '.join(summary['tied_with'])}; the rule takes the first in the config's axis order.\n\n")
     elif args.stage == "pilot":
         table, summary = pilot(runs, rule)
         cols = [c for c in [*manifest["axes"], "seed", "state", "step1_reward", "initial_reward", "step1_entropy",

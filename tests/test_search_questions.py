@@ -45,6 +45,20 @@ def test_the_paired_pilot_takes_the_rung_where_fp32_learns_with_the_largest_bf16
     assert paired_pilot(runs, RULE, curves)[1]["chosen"] is None
 
 
+def test_rungs_tied_at_step_1_are_named_and_the_first_in_axis_order_is_taken():
+    """Step 1 samples the same weights with the same seed at every learning rate: equal mismatch."""
+    learns = [0.1, 0.1, 0.2, 0.3, 0.4, 0.4, 0.5, 0.5]
+    rewards = {(lr, "c8", arm): learns for lr in ("lr1", "lr2") for arm in ("none", "fp32")}
+    mismatch = {(lr, "c8", arm): 0.03 if arm == "none" else 1e-6 for lr in ("lr1", "lr2") for arm in ("none", "fp32")}
+    runs, curves = _pilot_runs(rewards, mismatch)
+    choice = paired_pilot(runs, RULE, curves)[1]
+    assert choice["chosen"] == "lr1/c8" and choice["tied_with"] == ["lr2/c8"]
+    mismatch[("lr2", "c8", "none")] = 0.031
+    runs, curves = _pilot_runs(rewards, mismatch)
+    choice = paired_pilot(runs, RULE, curves)[1]
+    assert choice["chosen"] == "lr2/c8" and choice["tied_with"] == []
+
+
 def test_the_grid_questions_use_the_tests_named_in_advance():
     rows = []
     for seed in range(8):
