@@ -112,7 +112,8 @@ def _probe_options(args: argparse.Namespace):
 def _cmd_probe(args: argparse.Namespace) -> int:
     from rpa.measure.probe import run_probe
 
-    s = run_probe(args.model, _numerics(args), args.out, _probe_options(args), completions_path=args.completions)
+    s = run_probe(args.model, _numerics(args), args.out, _probe_options(args), completions_path=args.completions,
+                  replace=args.replace)
     bv = s["trainer_batch_variance"]["batch_vs_single"]
     full = "n/a" if s["full_kl"] is None else f"{s['full_kl']:.3g}"
     print(f"rpa probe: {s['config']['numerics']}: tokens={s['tokens']} mean|dlogp|={s['mean_abs_dlogp']:.4g} "
@@ -157,7 +158,7 @@ def _sequences(args: argparse.Namespace) -> list[list[int]]:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from rpa.measure.diagnose import format_table, read_layers, run_diagnose
 
-    s = run_diagnose(args.model, _numerics(args), args.out, _sequences(args), seed=args.seed)
+    s = run_diagnose(args.model, _numerics(args), args.out, _sequences(args), seed=args.seed, replace=args.replace)
     print(format_table(read_layers(f"{args.out}/layers.csv")))
     first = s["first_divergence"]
     where = "none (bitwise equal everywhere)" if first is None else f"layer {first['layer']} {first['boundary']}"
@@ -175,7 +176,8 @@ def _attribution_options(args: argparse.Namespace):
 def _cmd_attribute(args: argparse.Namespace) -> int:
     from rpa.measure.attribution import run_attribution
 
-    s = run_attribution(args.model, _numerics(args), args.out, args.completions, _attribution_options(args))
+    s = run_attribution(args.model, _numerics(args), args.out, args.completions, _attribution_options(args),
+                        replace=args.replace)
     base = s["rungs"]["trainer"]["mean_abs_dlogp"]
     for rung, r in s["rungs"].items():
         print(f"  {rung:20s} mean|dlogp|={r['mean_abs_dlogp']:.4g} ({100 * (r['mean_abs_dlogp'] / base - 1):+.1f}% vs "
@@ -280,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_numerics_args(command)
         command.add_argument("--out", help=f"output directory ({out}); required")
         command.add_argument("--completions", help=completions)
+        command.add_argument("--replace", action="store_true",
+                             help="run again into --out whatever it holds: its earlier summary and recorded options "
+                                  "give way (the workflow's rules pass this once Snakemake has decided a job reruns); "
+                                  "without it a finished run is kept and one made with other options is refused")
         add_arguments(command, options)  # one flag per field, default and help from the dataclass
         command.set_defaults(func=func)
         return command
@@ -440,6 +446,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options
 
+    if getattr(args, "replace", False):
+        return  # the earlier output gives way (rpa.core.outdir.claim)
     if args.command == "probe":
         from rpa.measure.probe import recorded_options
 

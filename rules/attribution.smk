@@ -37,7 +37,7 @@ rule attribute:
         runtime=30,
         gpu=GPU,
     shell:
-        "rm -f {params.out}/options.json && {params.launch}rpa attribute --config {input.job} --out {params.out} > {log} 2>&1"
+        "{params.launch}rpa attribute --config {input.job} --out {params.out} --replace > {log} 2>&1"
 
 
 rule attribution_table:

@@ -47,8 +47,8 @@ rule probe:
         runtime=60,
         gpu=GPU,
     shell:
-        # Snakemake decided this cell runs again: the options recorded by its last run give way
-        "rm -f {params.out}/options.json && {params.launch}rpa probe --config {input.job} --out {params.out} > {log} 2>&1"
+        # Snakemake decided this cell runs again: --replace makes its last run's record give way (rpa.core.outdir.claim owns reruns)
+        "{params.launch}rpa probe --config {input.job} --out {params.out} --replace > {log} 2>&1"
 
 
 # The sampler's own probe run samples the completions every other configuration scores.

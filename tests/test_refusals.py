@@ -189,7 +189,7 @@ def test_probe_rerun_with_other_options_is_refused(capsys, model, tmp_path):
 
 def test_a_finished_probe_started_again_does_nothing(model, tmp_path):
     """Same options + a summary (written last): the run returns that summary without starting
-    an engine; without the options record (Snakemake's forced rerun removes it) it would run."""
+    an engine; without the options record (``--replace`` removes it) it would run."""
     from rpa.core.numerics_config import NumericsConfig
     from rpa.core.outdir import claim, finished
     from rpa.core.regions import parse_regions
@@ -204,6 +204,49 @@ def test_a_finished_probe_started_again_does_nothing(model, tmp_path):
     assert finished(out, "probe", {**options, "seed": 1}) is None  # other options: not this run's result
     (out / "options.json").unlink()
     assert finished(out, "probe", options) is None
+
+
+def test_replace_makes_a_directorys_earlier_run_give_way(model, tmp_path):
+    """``--replace`` (what the workflow's rules pass once Snakemake decided a job reruns): the input
+    check lets a directory made with other options through, and the claim removes its summary and
+    record under the lock, so the command runs again -- without it the same directory is refused."""
+    from rpa.cli import _check_inputs, build_parser
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.outdir import OutputDirectoryTaken, claim
+    from rpa.core.regions import parse_regions
+    from rpa.measure.probe import ProbeOptions, recorded_options
+
+    out = tmp_path / "o"
+    numerics = NumericsConfig(regions=parse_regions("all"))
+    old = recorded_options(str(model), numerics, ProbeOptions(seed=0), None)
+    claim(out, "probe", old)
+    (out / "summary.json").write_text(json.dumps({"schema": "rpa.probe/1", "mark": 7}))
+    parser = build_parser()
+    with pytest.raises(OutputDirectoryTaken):
+        _check_inputs(parser.parse_args(probe(str(model), str(out), "--seed", "1")))
+    _check_inputs(parser.parse_args(probe(str(model), str(out), "--seed", "1", "--replace")))  # no refusal
+    new = recorded_options(str(model), numerics, ProbeOptions(seed=1), None)
+    with pytest.raises(OutputDirectoryTaken):
+        claim(out, "probe", new)
+    assert claim(out, "probe", new, replace=True) == (out, None)  # runs again
+    assert not (out / "summary.json").exists()
+    assert json.loads((out / "options.json").read_text())["options"]["seed"] == 1
+    # a finished run with the same options: kept without --replace, run again with it
+    (out / "summary.json").write_text(json.dumps({"schema": "rpa.probe/1", "mark": 8}))
+    assert claim(out, "probe", new)[1] == {"schema": "rpa.probe/1", "mark": 8}
+    assert claim(out, "probe", new, replace=True) == (out, None)
+
+
+def test_the_measuring_rules_rerun_through_replace_not_by_deleting_the_record():
+    """One owner of rerun behaviour: the rules pass ``--replace``; none deletes ``options.json``."""
+    import re
+    from pathlib import Path
+
+    rules = Path(__file__).resolve().parent.parent / "rules"
+    for name, command in (("probe", "probe"), ("diagnose", "diagnose"), ("attribution", "attribute")):
+        text = (rules / f"{name}.smk").read_text()
+        assert "options.json" not in text
+        assert re.search(rf"rpa {command} --config \{{input\.job\}} --out \{{params\.out\}} --replace", text)
 
 
 def test_a_directory_another_process_runs_is_refused(tmp_path):

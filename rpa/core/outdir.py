@@ -3,7 +3,9 @@ runs a directory at a time (``.lock``, an ``flock`` that dies with its process);
 options it was made with (``options.json``), and a rerun into it with other options is refused,
 naming the keys that differ, instead of leaving one run's files beside another's. A rerun with
 the same options into a finished directory (its ``summary.json`` is written last) does nothing;
-into an unfinished one it runs again.
+into an unfinished one it runs again. ``replace`` (the commands' ``--replace``, which the workflow's
+rules pass once Snakemake has decided a job runs again) makes the directory's earlier record and
+summary give way instead: this module is the one owner of what a rerun does.
 """
 
 from __future__ import annotations
@@ -117,14 +119,20 @@ def finished(out: str | Path, command: str, options: dict[str, Any]) -> dict[str
         return None
 
 
-def claim(out: str | Path, command: str, options: dict[str, Any]) -> tuple[Path, dict[str, Any] | None]:
+def claim(out: str | Path, command: str, options: dict[str, Any],
+          replace: bool = False) -> tuple[Path, dict[str, Any] | None]:
     """Take ``out`` for ``command`` with ``options``: create it, lock it for this process
     (:class:`DirectoryBusy` while another runs it) and return ``(out, summary)`` where it holds
     a finished run with these options (nothing to do), else ``(out, None)`` after recording them
-    (refused as :func:`check_options` refuses)."""
+    (refused as :func:`check_options` refuses). With ``replace`` the directory's earlier summary
+    and record give way (removed under the lock, the summary first: an interrupted rerun reads
+    as unfinished) and the command runs again."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock_dir(out, command)
+    if replace:
+        for name in ("summary.json", OPTIONS_FILE):
+            (out / name).unlink(missing_ok=True)
     done = finished(out, command, options)
     if done is not None:
         return out, done

@@ -357,9 +357,10 @@ def recorded_options(model: str, numerics: NumericsConfig, completions: str, opt
 
 
 def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, completions_path: str | Path,
-                    options: AttributionOptions = AttributionOptions()) -> dict[str, Any]:
+                    options: AttributionOptions = AttributionOptions(), replace: bool = False) -> dict[str, Any]:
     """Score the first ``options.sequences`` completions with vLLM (one request each) and with the
-    trainer at every rung of :data:`RUNGS`; write ``tokens.csv`` and ``summary.json``."""
+    trainer at every rung of :data:`RUNGS`; write ``tokens.csv`` and ``summary.json`` (``replace``:
+    :func:`rpa.core.outdir.claim`)."""
     import numpy as np
     import torch
 
@@ -370,7 +371,8 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
     from rpa.sides.engine import close_llm, make_llm, release_memory
     from rpa.sides.trainer import load_trainer_model, trainer_context
 
-    out, done = claim(out_dir, "attribute", recorded_options(model, numerics, completions_path, options))
+    out, done = claim(out_dir, "attribute", recorded_options(model, numerics, completions_path, options),
+                      replace=replace)
     if done is not None:
         _log(f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done

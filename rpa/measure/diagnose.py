@@ -168,8 +168,9 @@ def trainer_runs(hf, numerics: NumericsConfig, sequences: list[list[int]]) -> li
 
 
 def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequences: list[list[int]],
-                 seed: int = 0) -> dict[str, Any]:
-    """Per-layer divergence over ``sequences`` (token ids); writes ``options.json``, ``layers.csv`` + ``summary.json``."""
+                 seed: int = 0, replace: bool = False) -> dict[str, Any]:
+    """Per-layer divergence over ``sequences`` (token ids); writes ``options.json``, ``layers.csv`` + ``summary.json``
+    (``replace``: :func:`rpa.core.outdir.claim`)."""
     import torch
     from vllm import SamplingParams
 
@@ -177,7 +178,7 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     from rpa.core.outdir import claim
     from rpa.core.provenance import provenance
 
-    out, done = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed))
+    out, done = claim(out_dir, "diagnose", recorded_options(model, numerics, sequences, seed), replace=replace)
     if done is not None:
         log("diagnose", f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done

@@ -131,15 +131,17 @@ def recorded_options(model: str, numerics: NumericsConfig, options: ProbeOptions
 
 
 def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options: ProbeOptions = ProbeOptions(),
-              completions_path: str | Path | None = None) -> dict[str, Any]:
-    """Run the probe; writes ``options.json``, ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``)."""
+              completions_path: str | Path | None = None, replace: bool = False) -> dict[str, Any]:
+    """Run the probe; writes ``options.json``, ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``);
+    ``replace``: :func:`rpa.core.outdir.claim`."""
     from transformers import AutoConfig, AutoTokenizer
 
     from rpa.sides.engine import close_llm, make_llm, release_memory
     from rpa.core.outdir import claim
     from rpa.core.provenance import provenance
 
-    out, done = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path))
+    out, done = claim(out_dir, "probe", recorded_options(model, numerics, options, completions_path),
+                      replace=replace)
     if done is not None:
         _log(f"{out}: finished with these options already; nothing to do (delete it to run again)")
         return done
