@@ -3,80 +3,75 @@
     python -m analysis.check_reference                 # all of results/reference
     python -m analysis.check_reference --only study-cpu
 
-Each reference folder is copied without its ``tables/`` into a scratch folder, the analyses the
-Snakefile runs on it are run there with the same command lines, and every table they write that
-is also committed is compared with the committed file, byte for byte. Figures are not compared
-(their pixels depend on the fonts and matplotlib build). A table whose inputs an export left
-out would be listed in :data:`NOT_REGENERABLE`, never counted as passed; none is today. Exit status 1 if any table differs.
+Each reference folder is copied without its ``tables/`` and ``figures/`` into a scratch folder.
+Snakemake itself says how its tables are made: a dry run of the folder's config with ``results``
+pointed at the scratch copy and the committed tables as targets prints each job's shell command
+(``--printshellcmds``), and the commands of the jobs that write those tables -- the rules' own
+command lines, not a copy of them -- are run there. Every table they write that is also committed
+is compared with the committed file, byte for byte. Jobs upstream of them (a model conversion, a
+probe whose checkpoint the export leaves out) are not run: the committed raw results stand in for
+them. Figures are not compared (their pixels depend on the fonts and matplotlib build). Exit
+status 1 if any table differs, 2 if the workflow cannot name a committed table's job.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "results" / "reference"
 
-
-@dataclass(frozen=True)
-class Analysis:
-    """One analysis the Snakefile runs over a results folder: ``argv`` with ``{R}`` for that folder."""
-
-    argv: tuple[str, ...]
-    tables: tuple[str, ...]  # the tables it writes under {R}/tables
+CONFIGS = {"main": "config.yaml", "cpu": "toys.yaml", "study-cpu": "study-cpu.yaml",
+           "collapse-cpu": "collapse-cpu.yaml", "collapse-smollm2": "collapse-smollm2.yaml"}
+"""Reference folder -> the config under ``experiments/`` whose run it holds (each folder's README says so)."""
 
 
-def _probe_configs(config: str) -> tuple[str, ...]:
-    """The probe table's row order, as the Snakefile passes it (the config's ``probe.configs``)."""
-    return tuple(yaml.safe_load((REPO / "experiments" / config).read_text())["probe"]["configs"])
+def _jobs(dry_run: str) -> list[tuple[str, list[str], str]]:
+    """(rule, outputs, shell command) of each job a ``snakemake -n -p`` printout lists."""
+    jobs, rule, outputs, command = [], None, [], None
+    lines = dry_run.splitlines()
+    for i, line in enumerate(lines):
+        if m := re.match(r"^(?:local)?rule (\S+):$", line.strip()):
+            rule, outputs, command = m.group(1), [], None
+        elif rule and line.strip().startswith("output: "):
+            outputs = [o.strip() for o in line.strip()[len("output: "):].split(",")]
+        elif rule and line.startswith("Shell command: "):
+            command = line[len("Shell command: "):]
+            for more in lines[i + 1:]:  # a command of several lines runs to the next blank line or job
+                if not more.strip() or more.startswith(("[", "Job stats", "rule ", "localrule ")):
+                    break
+                command += "\n" + more
+            jobs.append((rule, outputs, command))
+            rule = None
+    return jobs
 
 
-def analyses() -> dict[str, tuple[Analysis, ...]]:
-    """Reference folder -> the analyses that made its tables (command lines as in ``rules/``)."""
-    return {
-        "main": (
-            Analysis(("analysis.aggregate", "--results", "{R}", "--out-dir", "{R}/tables", "--configs",
-                      *_probe_configs("config.yaml")), ("probe.csv", "probe.md", "diagnose.csv")),
-            Analysis(("analysis.attribution", "--results", "{R}", "--out-dir", "{R}/tables",
-                      "--figure", "{R}/figures/attribution.png"),
-                     ("attribution.csv", "attribution.md", "attribution_ops.csv")),
-        ),
-        "cpu": (
-            Analysis(("analysis.aggregate", "--results", "{R}", "--out-dir", "{R}/tables", "--configs",
-                      *_probe_configs("toys.yaml")), ("probe.csv", "probe.md", "diagnose.csv")),
-            Analysis(("analysis.train_summary", "--results", "{R}", "--out-table", "{R}/tables/train.csv",
-                      "--out-md", "{R}/tables/train.md", "--out-figure", "{R}/figures/train_curves.png"),
-                     ("train.csv", "train.md")),
-            Analysis(("analysis.dose", "--results", "{R}", "--out-dir", "{R}/tables",
-                      "--figure", "{R}/figures/dose_response.png"),
-                     ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv")),
-        ),
-        "study-cpu": (
-            Analysis(("analysis.aggregate", "--results", "{R}", "--out-dir", "{R}/tables", "--configs",
-                      *_probe_configs("study-cpu.yaml")), ("probe.csv", "probe.md")),
-            Analysis(("analysis.study", "--results", "{R}", "--format", "png"),
-                     tuple(f"study_{t}.{ext}" for t in ("collapse", "mismatch", "sensitivity")
-                           for ext in ("csv", "md", "tex"))),
-        ),
-        "collapse-cpu": tuple(
-            Analysis(("analysis.collapse_search", "--results", "{R}", "--stage", stage,
-                      "--figure", f"{{R}}/figures/search_{stage}.png"),
-                     tuple(f"search_{stage}.{ext}" for ext in ("csv", "md", "json")))
-            for stage in ("pilot", "grid", "ablation", "lever")),
-    }
-
-
-# committed tables whose inputs the export leaves out (see the folder's README): none since the
-# probe pipeline's per-token files are exported (analysis.export_reference --what pipeline)
-NOT_REGENERABLE: dict[str, tuple[str, ...]] = {}
+def commands(name: str, results: Path, targets: list[Path]) -> list[str]:
+    """The shell commands of the jobs that write ``targets`` for reference ``name`` in ``results``."""
+    argv = [sys.executable, "-m", "snakemake", "--dry-run", "--printshellcmds", "--rerun-triggers", "mtime",
+            "--configfile", f"experiments/{CONFIGS[name]}", "--config", f"results={results}", "--",
+            *map(str, targets)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode and (m := re.search(r"No rule to produce (\S+)", proc.stdout + proc.stderr)):
+        raise SystemExit(f"check_reference: {name}: no rule of the workflow writes {Path(m.group(1)).name} "
+                         "(a committed table the workflow does not declare)")
+    if proc.returncode:
+        raise SystemExit(f"check_reference: {name}: the workflow's dry run failed:\n{proc.stdout[-3000:]}"
+                         f"{proc.stderr[-3000:]}")
+    wanted = {str(t) for t in targets}
+    chosen = [c for _, outputs, c in _jobs(proc.stdout) if wanted & set(outputs)]
+    named = {o for _, outputs, _ in _jobs(proc.stdout) for o in outputs}
+    if wanted - named:
+        raise SystemExit(f"check_reference: {name}: no job of the workflow writes "
+                         + ", ".join(sorted(Path(t).name for t in wanted - named)))
+    return chosen
 
 
 def check(name: str, scratch: Path, reference: Path = REFERENCE) -> tuple[list[str], list[str]]:
@@ -84,30 +79,31 @@ def check(name: str, scratch: Path, reference: Path = REFERENCE) -> tuple[list[s
     ref = reference / name
     results = scratch / name
     shutil.copytree(ref, results, ignore=shutil.ignore_patterns("tables", "figures", "paper"))
-    (results / "tables").mkdir()
     (results / "figures").mkdir()
-    same, differ = [], []
-    for analysis in analyses()[name]:
-        committed = [t for t in analysis.tables if (ref / "tables" / t).exists()]
-        if not committed:
-            continue  # a stage that has not run (no committed table to regenerate)
-        argv = [a.replace("{R}", str(results)) for a in analysis.argv]
-        proc = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True)
+    committed = sorted(p.name for p in (ref / "tables").iterdir() if p.is_file())
+    for command in commands(name, results, [results / "tables" / t for t in committed]):
+        for log in re.findall(r">\s*(\S+)\s+2>&1", command):
+            Path(log).parent.mkdir(parents=True, exist_ok=True)  # as Snakemake makes an output's folder
+        (results / "tables").mkdir(exist_ok=True)
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        proc = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=REPO, env=env,
+                              capture_output=True, text=True)
         if proc.returncode:
-            raise SystemExit(f"check_reference: {name}: {' '.join(analysis.argv[:1])} failed:\n{proc.stderr}")
-        for table in committed:
-            made = results / "tables" / table
-            ok = made.exists() and made.read_bytes() == (ref / "tables" / table).read_bytes()
-            (same if ok else differ).append(f"{name}/tables/{table}")
+            raise SystemExit(f"check_reference: {name}: `{command}` failed:\n{proc.stderr[-3000:]}")
+    same, differ = [], []
+    for table in committed:
+        made = results / "tables" / table
+        ok = made.exists() and made.read_bytes() == (ref / "tables" / table).read_bytes()
+        (same if ok else differ).append(f"{name}/tables/{table}")
     return same, differ
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", choices=sorted(analyses()), help="reference folders to check")
+    parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="reference folders to check")
     parser.add_argument("--reference", type=Path, default=REFERENCE, help="the folder holding them")
     args = parser.parse_args(argv)
-    names = args.only or sorted(analyses())
+    names = args.only or sorted(n for n in CONFIGS if (args.reference / n).is_dir())
     same: list[str] = []
     differ: list[str] = []
     with tempfile.TemporaryDirectory(prefix="rpa-reference-") as tmp:
@@ -119,9 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             differ += d
             print(f"{name}: {len(s)} tables identical, {len(d)} differ"
                   + "".join(f"\n  differs: {t}" for t in d), flush=True)
-    skipped = [f"{n}/tables/{t}" for n in names for t in NOT_REGENERABLE.get(n, ())]
-    if skipped:
-        print("not regenerable from the committed files (inputs not exported): " + ", ".join(skipped))
     print(f"check_reference: {len(same)} identical, {len(differ)} differ")
     return 1 if differ else 0
 

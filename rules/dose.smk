@@ -68,6 +68,7 @@ rule dose_aggregate:
         csv=f"{R}/tables/dose.csv",
         md=f"{R}/tables/dose.md",
         runs=f"{R}/tables/dose_runs.csv",
+        sensitivity=f"{R}/tables/dose_sensitivity.csv",
         fig=f"{R}/figures/dose_response.{FIGURES['format']}",
     log:
         f"{R}/logs/dose_aggregate.log",

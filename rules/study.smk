@@ -43,7 +43,8 @@ def study_jobs(wildcards=None):
 
 
 def study_outputs(wildcards=None):
-    tables = [f"{R}/tables/study_{name}.{ext}" for name in ("collapse", "mismatch") for ext in ("csv", "md", "tex")]
+    tables = [f"{R}/tables/study_{name}.{ext}" for name in ("collapse", "mismatch", "sensitivity")
+              for ext in ("csv", "md", "tex")]
     figures = [f"{R}/figures/study_{name}.{FIGURES['format']}" for name in ("rewards", "mismatch_curves", "heatmap")]
     return tables + figures
 

@@ -242,6 +242,10 @@ def test_check_reference_finds_a_table_that_its_raw_runs_do_not_give(tmp_path, c
     table.write_text(table.read_text().replace("deep16", "deep61", 1))
     assert check_reference.main(["--only", "collapse-cpu", "--reference", str(ref)]) == 1
     assert "differs: collapse-cpu/tables/search_pilot.csv" in capsys.readouterr().out
+    # the command lines are the workflow's: a committed table no rule declares cannot be checked
+    (ref / "collapse-cpu/tables/extra.csv").write_text("x\n")
+    with pytest.raises(SystemExit, match="no rule of the workflow writes extra.csv"):
+        check_reference.main(["--only", "collapse-cpu", "--reference", str(ref)])
 
 
 def test_fisher_exact_matches_known_values():
