@@ -66,18 +66,26 @@ rule search_config:
 SEARCH_INITS = {p["init"]["name"]: p for p in SEARCH.values() if p["init"]}
 
 
-def search_train_input(wildcards):
-    """The cell's starting checkpoint -- none for a finished run (it has its summary): a warm
-    start that is missing or rebuilt (deterministic: the same checkpoint) does not make finished
-    runs stale, so a grid goes on from committed runs copied into place."""
-    from pathlib import Path
+def search_resources(cell):
+    """A run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of its
+    labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
+    point = SEARCH[cell]
+    res = config["search"]["stages"][point["stage"]].get("resources") or {}
+    by_label = [res.get("label_mem_mb", {})[v] for v in point["labels"].values() if v in res.get("label_mem_mb", {})]
+    return {"mem_mb": max(by_label, default=res.get("mem_mb", config["job_mem_mb"])),
+            "runtime": res.get("runtime", 120)}
 
+
+def search_train_input(wildcards):
+    """The cell's starting checkpoint, as ``ancient`` input: a finished run (it has its summary)
+    is not made stale by a warm start that is missing or rebuilt (deterministic: the same
+    checkpoint), so a grid goes on from committed runs copied into place; and the set of inputs
+    is the same before and after the run, so Snakemake's input trigger does not rerun finished
+    runs either (a run that is not finished still has its checkpoint made first)."""
     point = SEARCH[wildcards.cell]
-    if Path(f"{R}/search/{wildcards.cell}/summary.json").exists():
-        return []
     if point["init"]:
-        return [f"{R}/search/init/{point['init']['name']}/config.json"]
-    return model_files(point["model"])
+        return [ancient(f"{R}/search/init/{point['init']['name']}/config.json")]
+    return [ancient(f) for f in model_files(point["model"])]
 
 
 rule search_init:
@@ -115,8 +123,8 @@ rule search_train:
     conda:
         ENV
     resources:
-        mem_mb=6000,
-        runtime=120,
+        mem_mb=lambda wc: search_resources(wc.cell)["mem_mb"],
+        runtime=lambda wc: search_resources(wc.cell)["runtime"],
     shell:
         "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1 || test -f {output}"
 

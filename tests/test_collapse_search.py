@@ -380,3 +380,59 @@ def test_committed_search_stages_have_the_sensitivity_companion(stage):
     assert "### Sensitivity of the verdicts" in md
     runs = pd.read_csv(REPO / f"results/reference/collapse-cpu/tables/search_{stage}.csv")
     assert {"verdict_drop_0.4", "verdict_persist_x2", "rule_version", "summary_superseded"} <= set(runs)
+
+
+def test_search_resources_take_the_stage_and_the_largest_label(tmp_path):
+    """A run's memory is its stage's: ``label_mem_mb`` of its labels (largest), else ``mem_mb``,
+    else the config's ``job_mem_mb``; Snakemake's dry run shows what each job reserves, and the
+    schema refuses a memory of 0."""
+    import re
+
+    config = copy.deepcopy(CONFIG)
+    config["results"] = str(tmp_path / "r")
+    config["search"]["stages"]["lever"]["resources"] = {"mem_mb": 5000, "runtime": 77, "label_mem_mb": {"fp32": 9000}}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    dry = snakemake("-n", "--cores", "2", "collapse_lever", "--configfile", str(cfg))
+    assert dry.returncode == 0, tail(dry)
+    jobs = re.findall(r"rule search_train:.*?wildcards: cell=(\S+).*?resources: ([^\n]*)", dry.stdout, re.S)
+    assert len(jobs) == 12
+    for cell, resources in jobs:
+        assert f"mem_mb={9000 if '/fp32/' in cell else 5000}" in resources and "runtime=77" in resources
+    config["search"]["stages"]["lever"]["resources"] = {"mem_mb": 0}
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    bad = snakemake("-n", "--cores", "2", "collapse_lever", "--configfile", str(cfg))
+    assert bad.returncode != 0 and "mem_mb" in bad.stdout + bad.stderr
+
+
+def test_the_questions_name_arms_of_the_grid():
+    config = copy.deepcopy(CONFIG)
+    config["search"]["decision"]["questions"] = {"Q1": {"question": "?", "a": "none", "b": "fp32"}}
+    check_config(config)
+    config["search"]["decision"]["questions"]["Q2"] = {"a": "none", "b": "self-sampled"}
+    with pytest.raises(PipelineConfigError, match="questions.Q2.b: 'self-sampled' is not a label"):
+        check_config(config)
+
+
+@pytest.mark.engine
+def test_a_finished_search_is_not_run_again(tmp_path):
+    """A search stage Snakemake ran to the end has nothing to do the next time: the run's input
+    (its starting checkpoint) is the same set before and after the run, so the input trigger
+    does not fire, and a run asks for the memory its stage's resources give it."""
+    config = copy.deepcopy(CONFIG)
+    config["results"] = str(tmp_path / "r")
+    config["models"] = {"deep8": {"tiny": {"arch": "qwen3", "seed": 0}}}
+    config["search"]["stages"] = {"pilot": {
+        "seeds": [0], "overrides": {"steps": 2, "eval_every": 0, "checkpoint_every": 2, "warm_start": {"steps": 0},
+                                    "max_completion_length": 16, "task": {"length": 6}},
+        "axes": {"model": {"deep8": {"model": "deep8"}}}, "resources": {"mem_mb": 3500, "runtime": 9}}}
+    config["search"].pop("decision")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    dry = snakemake("-n", "--cores", "2", "collapse_pilot", "--configfile", str(cfg))
+    assert dry.returncode == 0, tail(dry)
+    assert "mem_mb=3500" in dry.stdout and "runtime=9" in dry.stdout
+    proc = snakemake("--cores", "2", "collapse_pilot", "--configfile", str(cfg))
+    assert proc.returncode == 0, tail(proc, 6000)
+    again = snakemake("--cores", "2", "collapse_pilot", "--configfile", str(cfg))
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)

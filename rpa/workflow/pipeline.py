@@ -776,4 +776,7 @@ def _search_problems(config: dict[str, Any]) -> list[str]:
         if "grid" in (search.get("stages") or {}) and rule.get(key) not in arms:
             problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
                             f"{rule.get('arm_axis')!r} axis")
+    for name, q in (rule.get("questions") or {}).items() if "grid" in (search.get("stages") or {}) else ():
+        problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
+                     f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
     return problems
