@@ -22,7 +22,7 @@ def parity(model, regions, out, *extra, env=None):
     ("qwen3", "rope", []),
     ("qwen3", "swiglu", []),
     ("qwen3", "rmsnorm", []),
-    ("qwen2", "all", ["--trainer-dtype", "float32"]),
+    ("qwen2", "all", ["--trainer-dtype", "fp32"]),
     ("llama", "all", []),
     ("llama", "rope", []),
     ("llama", "swiglu,rmsnorm", []),

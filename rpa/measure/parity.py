@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rpa.core.jsonfiles import write_json
+from rpa.core.numerics_config import PRECISIONS
 from rpa.core.regions import REGIONS, format_regions, parse_regions
 
 if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's parser imports this module)
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's
     from torch import Tensor
 
 SCHEMA = "rpa.parity/1"
-TRAINER_DTYPES = ("bfloat16", "float32")
+TRAINER_DTYPES = ("bf16", "fp32")  # spelled as NumericsConfig.precision (rpa.core.numerics_config.PRECISIONS)
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,17 @@ class ParityOptions:
     compiled: bool = field(default=False, metadata={
         "help": "run vLLM compiled and check the compiled engine's logprobs against an eager one's (default: eager)"})
     multiprocess: bool = field(default=False, metadata={"help": "vLLM engine core in its own process"})
-    trainer_dtype: str = field(default="bfloat16", metadata={
-        "help": "parameter dtype of the HF model (float32 = FP32 master, BF16 compute)", "choices": TRAINER_DTYPES})
+    trainer_dtype: str = field(default="bf16", metadata={
+        "help": "parameter dtype of the HF model (fp32 = FP32 master, BF16 compute)", "choices": TRAINER_DTYPES})
 
     def __post_init__(self) -> None:
         from rpa.core.errors import InputError
 
         if self.trainer_dtype not in TRAINER_DTYPES:
+            torch_names = {"bfloat16": "bf16", "float32": "fp32"}  # the spelling before 2026-12-02
+            hint = f" (spelled {torch_names[self.trainer_dtype]!r} here)" if self.trainer_dtype in torch_names else ""
             raise InputError(f"parity option trainer_dtype: {self.trainer_dtype!r} is not one of "
-                             f"{', '.join(TRAINER_DTYPES)}")
+                             f"{', '.join(TRAINER_DTYPES)}{hint}")
 
 
 DEFAULT_PROMPTS = (
@@ -234,7 +237,7 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
                                f"inside the compiled graph by the replay above.")
         report["compiled_vs_eager"] = check
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, trainer_dtype)).to(device)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, PRECISIONS[trainer_dtype])).to(device)
     with align_model(hf, regions):
         report["regions_report"] = {r: v for r, v in replay(captured, hf).items() if r in regions}
         hf_logprobs = [trainer_logprobs(hf, ids[:1], ids[1:]) for ids in batch]
