@@ -158,3 +158,26 @@ def test_compile_cache_keys_differ_by_region_set_and_dose():
     keys = {compile_cache_key(frozenset(r), bits) for r in ((), ("rope",), ("rope", "swiglu")) for bits in (None, 3, 4)}
     assert len(keys) == 9
     assert compile_cache_key(frozenset({"rope", "swiglu"}), 3).startswith("rpa-rope+swiglu-perturb-mantissa3-kernels-")
+
+
+def test_every_option_of_every_config_dataclass_has_its_help():
+    """One help convention, ``metadata={"help": ...}`` on every field (TRL's ``GRPOConfig``): what
+    ``--help``, a config's reader and the docs take a field's meaning from."""
+    from dataclasses import fields
+
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.measure.attribution import AttributionOptions
+    from rpa.measure.diagnose import DiagnoseOptions
+    from rpa.measure.parity import ParityOptions
+    from rpa.measure.probe import ProbeOptions
+    from rpa.sides.convert import GgufSource
+    from rpa.sides.tiny import TinySpec
+    from rpa.train.collapse import CollapseThresholds
+    from rpa.train.config import SyncCheck, TrainConfig, WarmStart
+    from rpa.train.tasks import TaskSpec
+
+    missing = [f"{cls.__name__}.{f.name}" for cls in (NumericsConfig, ProbeOptions, DiagnoseOptions, AttributionOptions,
+                                                      ParityOptions, GgufSource, TinySpec, CollapseThresholds,
+                                                      SyncCheck, WarmStart, TrainConfig, TaskSpec)
+               for f in fields(cls) if not str(f.metadata.get("help", "")).strip()]
+    assert not missing, missing

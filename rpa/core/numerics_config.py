@@ -65,7 +65,8 @@ class NumericsConfigError(UserError):
 
 @dataclass(frozen=True)
 class NumericsConfig:
-    regions: frozenset[str] = field(default_factory=frozenset)
+    regions: frozenset[str] = field(default_factory=frozenset, metadata={
+        "help": "the aligned regions, a subset of rope, swiglu, rmsnorm ('none', 'all' or comma-separated in configs)"})
     precision: str = field(default="bf16", metadata={
         "help": "compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)", "choices": tuple(PRECISIONS)})
     lm_head_fp32: bool = field(default=False, metadata={"help": "LM head in FP32 on both sides (ScaleRL point)"})
@@ -98,11 +99,11 @@ class NumericsConfig:
     aligned_sides: str = field(default="both", metadata={
         "help": "which side applies --regions (a one-sided control: trainer or sampler only)", "choices": ALIGNED_SIDES})
     """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
-    sampler_perturbation: tuple[tuple[str, int], ...] | None = None
-    """The positive control's dose, on the sampler only (never part of the method):
-    ``{mantissa_bits: k}`` rounds the sampler's outputs of the three regions (RMSNorm,
-    SwiGLU, RoPE q/k) to ``k`` of BF16's 7 explicit mantissa bits
-    (:func:`rpa.core.numerics.round_mantissa`), on top of the region set. ``None``: off."""
+    sampler_perturbation: tuple[tuple[str, int], ...] | None = field(default=None, metadata={
+        "help": "The positive control's dose, on the sampler only (never part of the method): ``{mantissa_bits: k}`` "
+                "rounds the sampler's outputs of the three regions (RMSNorm, SwiGLU, RoPE q/k) to ``k`` of BF16's 7 "
+                "explicit mantissa bits (:func:`rpa.core.numerics.round_mantissa`), on top of the region set. "
+                "``None``: off."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):

@@ -33,7 +33,7 @@ level, however briefly. Every verdict carries :data:`RULE_VERSION`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 import numpy as np
@@ -41,21 +41,18 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CollapseThresholds:
-    smoothing_window: int = 5
-    """Trailing moving-average window (steps) of the reward."""
-    drop_fraction: float = 0.5
-    """Collapse when the smoothed reward stays below this fraction of its running best..."""
-    min_best_reward: float = 0.05
-    """...once that best is at least this (a run that never learned cannot collapse by reward)."""
-    spike_factor: float = 10.0
-    """A grad-norm spike (an event, not a collapse) is a grad norm above this multiple of the
-    running median of the earlier steps..."""
-    spike_warmup_steps: int = 5
-    """...measured over at least this many earlier steps."""
-    min_steps_after_drop: int = 5
-    """Persistence window: the smoothed reward must stay below the level for this many
-    consecutive logged steps (the drop step included); a drop that reaches the end of the run
-    sooner is ``unconfirmed``."""
+    smoothing_window: int = field(default=5, metadata={"help": "Trailing moving-average window (steps) of the reward."})
+    drop_fraction: float = field(default=0.5, metadata={
+        "help": "Collapse when the smoothed reward stays below this fraction of its running best..."})
+    min_best_reward: float = field(default=0.05, metadata={
+        "help": "...once that best is at least this (a run that never learned cannot collapse by reward)."})
+    spike_factor: float = field(default=10.0, metadata={
+        "help": "A grad-norm spike (an event, not a collapse) is a grad norm above this multiple of the running "
+                "median of the earlier steps..."})
+    spike_warmup_steps: int = field(default=5, metadata={"help": "...measured over at least this many earlier steps."})
+    min_steps_after_drop: int = field(default=5, metadata={
+        "help": "Persistence window: the smoothed reward must stay below the level for this many consecutive logged "
+                "steps (the drop step included); a drop that reaches the end of the run sooner is ``unconfirmed``."})
 
     def __post_init__(self) -> None:
         if self.smoothing_window < 1 or self.spike_warmup_steps < 1 or self.min_steps_after_drop < 1:

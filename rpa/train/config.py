@@ -43,9 +43,9 @@ class TrainConfigError(UserError):
 class WarmStart:
     """Supervised warm start on the task's (prompt, answer) pairs before GRPO."""
 
-    steps: int = 0
-    learning_rate: float = 1e-3
-    batch_size: int = 16
+    steps: int = field(default=0, metadata={"help": "supervised steps (0: none)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "learning rate of the warm start"})
+    batch_size: int = field(default=16, metadata={"help": "(prompt, answer) pairs per warm-start step"})
 
     def __post_init__(self) -> None:
         if self.steps < 0 or not self.learning_rate > 0 or self.batch_size < 1:
@@ -63,17 +63,19 @@ class SyncCheck:
     load the same weights. Over ``abort_gap`` (or not finite) the engines have blown apart: the
     run stops as a collapse."""
 
-    relative_tolerance: float = 3.0
-    """Over this many times the start-up (equal-weights) gap, a later check is over tolerance."""
-    start_tolerance: float = 1.0
-    """Mean |dlogp| at start-up above which the engines hold different weights (rounding gives
-    ~5e-3 on the tiny models, ~0.05 on SmolLM2-135M; other weights give whole nats)."""
-    tolerance: float | None = None
-    """An absolute floor under the relative threshold (None: relative only). Runs configured before
-    the relative rule set 0.05 here."""
-    abort_gap: float = 5.0
-    probe_tokens: int = 32
-    """Tokens of the fixed probe sequence (its first is the prompt: at least 2)."""
+    relative_tolerance: float = field(default=3.0, metadata={
+        "help": "Over this many times the start-up (equal-weights) gap, a later check is over tolerance."})
+    start_tolerance: float = field(default=1.0, metadata={
+        "help": "Mean |dlogp| at start-up above which the engines hold different weights (rounding gives ~5e-3 on the"
+                " tiny models, ~0.05 on SmolLM2-135M; other weights give whole nats)."})
+    tolerance: float | None = field(default=None, metadata={
+        "help": "An absolute floor under the relative threshold (None: relative only). Runs configured before the "
+                "relative rule set 0.05 here."})
+    abort_gap: float = field(default=5.0, metadata={
+        "help": "mean |dlogp| of a sync check above which (or not finite) the engines have blown apart: the run stops"
+                " as a collapse"})
+    probe_tokens: int = field(default=32, metadata={
+        "help": "Tokens of the fixed probe sequence (its first is the prompt: at least 2)."})
 
     def __post_init__(self) -> None:
         if not (self.relative_tolerance >= 1 and 0 < self.start_tolerance < self.abort_gap
@@ -86,91 +88,106 @@ class SyncCheck:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str
-    task: TaskSpec = field(default_factory=TaskSpec)
-    numerics: NumericsConfig = field(default_factory=NumericsConfig)
-    is_correction: str = "off"
-    is_cap: float = 2.0
-    """TRL ``vllm_importance_sampling_cap``: truncation cap / mask bound of the IS ratio."""
-    seed: int = 0
-    steps: int = 100
-    prompts_per_step: int = 8
-    num_generations: int = 4
-    learning_rate: float = 1e-4
-    beta: float = 0.0
-    temperature: float = 1.0
-    max_prompt_length: int = 128
-    max_completion_length: int = 32
-    gradient_checkpointing: bool = False
-    per_device_train_batch_size: int | None = None
-    """Completions per forward/backward micro-batch (TRL's option); ``None``: the whole step.
-    Must divide the completions of a step; the rest is gradient accumulation."""
-    gradient_accumulation_steps: int | None = None
-    """Micro-batches per optimizer step; ``None``: completions per step / micro-batch size.
-    Given together with ``per_device_train_batch_size``, their product must be the step."""
-    logprob_chunk_tokens: int = 1024
-    """Tokens per LM-head + log-softmax chunk when the trainer scores completions
-    (:func:`rpa.measure.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at once."""
-    checkpoint_every: int = 20
-    save_total_limit: int | None = 2
-    """Checkpoints kept in the run directory (transformers' ``save_total_limit``): the newest N,
-    older ones deleted once a newer one is written. A resume needs only the newest whole one
-    (:func:`rpa.train.rundir.latest_checkpoint`); 2 keeps the one before it through a kill during a
-    save. ``null`` keeps every checkpoint (each is FP32 weights + Adam states, ~12 bytes a
-    parameter: ~7 GB at 0.6B, ~98 GB at 8B)."""
-    eval_every: int = 0
-    """Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) at step 0, every this many
-    optimizer steps (whatever ``updates_per_generation``; a resumed run keeps the cadence: the sampler
-    gets the weights of the step first) and after the last one, into ``eval.jsonl`` (0: never)."""
-    eval_timeout_s: float = 7200.0
-    """Seconds the other processes of a multi-process run (FSDP2) wait for rank 0's held-out
-    evaluation, in a barrier of their own rather than in the next collective of training (whose
-    timeout, 30 min by default, one 8B evaluation of 500 prompts x 4,096 tokens, ~20 min on an
-    80 GB GPU, comes close to); past it the run fails."""
-    old_logprobs: str = "trainer"
-    """PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights:
-    ratio 1 on the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use
-    them: the mismatch reaches the clip -- "phantom clipping")."""
-    lr_scheduler_type: str = "linear"
-    """Learning-rate schedule over ``steps`` (transformers' ``lr_scheduler_type``): ``linear``
-    (TRL's default, decays to 0 at the last step), ``constant`` (as the published BF16
-    collapses trained), ``cosine``."""
-    updates_per_generation: int = 1
-    """Optimizer steps per generated batch: vLLM samples ``updates_per_generation x
-    prompts_per_step`` prompts at once and the trainer takes that many steps on them in turn
-    (TRL ``steps_per_generation``), so all but the first update are off-policy (old != current)."""
-    num_iterations: int = 1
-    """Updates on each batch (TRL ``num_iterations``, GRPO's mu): > 1 reuses a batch, so the PPO
-    ratio moves away from 1 and the clip acts."""
-    eval_temperature: float = 0.0
-    """Sampling temperature of the held-out evaluation (0: greedy), separate from ``temperature``
-    (training's)."""
-    scale_rewards: str = "group"
-    """TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean,
-    divided by the group's std, so a group whose rewards differ by 0.01 still gets unit-size
-    advantages), ``batch`` (divided by the std over the whole step) or ``none`` (centred only,
-    Dr. GRPO). The value in effect is written to every run's summary (``grpo``)."""
-    warm_start: WarmStart = field(default_factory=WarmStart)
-    sync_check: SyncCheck = field(default_factory=SyncCheck)
-    collapse: CollapseThresholds = field(default_factory=CollapseThresholds)
-    report_to: tuple[str, ...] = ()
-    vllm_gpu_memory_utilization: float = 0.3
-    """Share of GPU memory the colocated vLLM takes (TRL ``vllm_gpu_memory_utilization``)."""
-    vllm_tensor_parallel_size: int = 1
-    """Ranks per colocated vLLM engine (TRL ``vllm_tensor_parallel_size``); must divide the processes."""
-    vllm_context_slack: int = 8
-    """Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."""
-    vllm_enforce_eager: bool = False
-    """Run the colocated vLLM eager (no ``torch.compile``, no CUDA graphs). Off: vLLM's default
-    compiled engine, as deployed. On CPU the compilation costs ~30 s per run (the compile
-    cache is keyed by the model path, and every run loads its own ``init_model``)."""
-    shuffle_dataset: bool = True
-    disable_dropout: bool = True
-    rollouts: str = "vllm"
-    """Who samples: ``vllm`` (the colocated engine) or ``trainer`` (the mismatch-free BF16 control:
-    the trainer generates with its own compute path, so the sampling policy is the trained one up
-    to the rounding of cached decoding vs the training forward; no vLLM engine starts, and the
-    sampler's logprobs are the decode-time ones). :data:`ROLLOUTS`."""
+    model: str = field(metadata={"help": "checkpoint directory (or hub id) both sides load"})
+    task: TaskSpec = field(default_factory=TaskSpec, metadata={
+        "help": "the task: prompts, reward and held-out prompts (TaskSpec)"})
+    numerics: NumericsConfig = field(default_factory=NumericsConfig, metadata={
+        "help": "the numerics configuration of both sides (NumericsConfig: regions, precision, ...)"})
+    is_correction: str = field(default="off", metadata={
+        "help": "importance-sampling correction of the trainer-sampler mismatch (TRL's "
+                "vllm_importance_sampling_mode): off, token_truncate or sequence_mask (IS_CORRECTIONS)"})
+    is_cap: float = field(default=2.0, metadata={
+        "help": "TRL ``vllm_importance_sampling_cap``: truncation cap / mask bound of the IS ratio."})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the run (data order, sampling, initialisation of anything random)"})
+    steps: int = field(default=100, metadata={"help": "optimizer steps of GRPO"})
+    prompts_per_step: int = field(default=8, metadata={
+        "help": "prompts per optimizer step (each sampled num_generations times)"})
+    num_generations: int = field(default=4, metadata={"help": "completions per prompt: GRPO's group"})
+    learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
+    beta: float = field(default=0.0, metadata={
+        "help": "KL coefficient against the reference model (TRL's beta; 0: no reference model)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    max_prompt_length: int = field(default=128, metadata={
+        "help": "prompt tokens at most (longer prompts are refused when the task is built)"})
+    max_completion_length: int = field(default=32, metadata={"help": "completion tokens at most"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass (less memory, more compute)"})
+    per_device_train_batch_size: int | None = field(default=None, metadata={
+        "help": "Completions per forward/backward micro-batch (TRL's option); ``None``: the whole step. Must divide "
+                "the completions of a step; the rest is gradient accumulation."})
+    gradient_accumulation_steps: int | None = field(default=None, metadata={
+        "help": "Micro-batches per optimizer step; ``None``: completions per step / micro-batch size. Given together "
+                "with ``per_device_train_batch_size``, their product must be the step."})
+    logprob_chunk_tokens: int = field(default=1024, metadata={
+        "help": "Tokens per LM-head + log-softmax chunk when the trainer scores completions "
+                "(:func:`rpa.measure.scoring.token_logps_and_entropy`): bounds the full-vocabulary logits alive at "
+                "once."})
+    checkpoint_every: int = field(default=20, metadata={"help": "optimizer steps between checkpoints (resume points)"})
+    save_total_limit: int | None = field(default=2, metadata={
+        "help": "Checkpoints kept in the run directory (transformers' ``save_total_limit``): the newest N, older ones"
+                " deleted once a newer one is written. A resume needs only the newest whole one "
+                "(:func:`rpa.train.rundir.latest_checkpoint`); 2 keeps the one before it through a kill during a "
+                "save. ``null`` keeps every checkpoint (each is FP32 weights + Adam states, ~12 bytes a parameter: ~7"
+                " GB at 0.6B, ~98 GB at 8B)."})
+    eval_every: int = field(default=0, metadata={
+        "help": "Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) at step 0, every this many "
+                "optimizer steps (whatever ``updates_per_generation``; a resumed run keeps the cadence: the sampler "
+                "gets the weights of the step first) and after the last one, into ``eval.jsonl`` (0: never)."})
+    eval_timeout_s: float = field(default=7200.0, metadata={
+        "help": "Seconds the other processes of a multi-process run (FSDP2) wait for rank 0's held-out evaluation, in"
+                " a barrier of their own rather than in the next collective of training (whose timeout, 30 min by "
+                "default, one 8B evaluation of 500 prompts x 4,096 tokens, ~20 min on an 80 GB GPU, comes close to); "
+                "past it the run fails."})
+    old_logprobs: str = field(default="trainer", metadata={
+        "help": "PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights: ratio 1 on "
+                "the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use them: the mismatch "
+                'reaches the clip -- "phantom clipping").'})
+    lr_scheduler_type: str = field(default="linear", metadata={
+        "help": "Learning-rate schedule over ``steps`` (transformers' ``lr_scheduler_type``): ``linear`` (TRL's "
+                "default, decays to 0 at the last step), ``constant`` (as the published BF16 collapses trained), "
+                "``cosine``."})
+    updates_per_generation: int = field(default=1, metadata={
+        "help": "Optimizer steps per generated batch: vLLM samples ``updates_per_generation x prompts_per_step`` "
+                "prompts at once and the trainer takes that many steps on them in turn (TRL "
+                "``steps_per_generation``), so all but the first update are off-policy (old != current)."})
+    num_iterations: int = field(default=1, metadata={
+        "help": "Updates on each batch (TRL ``num_iterations``, GRPO's mu): > 1 reuses a batch, so the PPO ratio "
+                "moves away from 1 and the clip acts."})
+    eval_temperature: float = field(default=0.0, metadata={
+        "help": "Sampling temperature of the held-out evaluation (0: greedy), separate from ``temperature`` "
+                "(training's)."})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean, divided by "
+                "the group's std, so a group whose rewards differ by 0.01 still gets unit-size advantages), ``batch``"
+                " (divided by the std over the whole step) or ``none`` (centred only, Dr. GRPO). The value in effect "
+                "is written to every run's summary (``grpo``)."})
+    warm_start: WarmStart = field(default_factory=WarmStart, metadata={
+        "help": "supervised warm start before GRPO (WarmStart)"})
+    sync_check: SyncCheck = field(default_factory=SyncCheck, metadata={
+        "help": "the check after every weight sync (SyncCheck)"})
+    collapse: CollapseThresholds = field(default_factory=CollapseThresholds, metadata={
+        "help": "the collapse rule's thresholds (rpa.train.collapse.CollapseThresholds)"})
+    report_to: tuple[str, ...] = field(default=(), metadata={
+        "help": "transformers' report_to integrations (empty: none)"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
+        "help": "Share of GPU memory the colocated vLLM takes (TRL ``vllm_gpu_memory_utilization``)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={
+        "help": "Ranks per colocated vLLM engine (TRL ``vllm_tensor_parallel_size``); must divide the processes."})
+    vllm_context_slack: int = field(default=8, metadata={
+        "help": "Tokens of vLLM context beyond ``max_prompt_length + max_completion_length``."})
+    vllm_enforce_eager: bool = field(default=False, metadata={
+        "help": "Run the colocated vLLM eager (no ``torch.compile``, no CUDA graphs). Off: vLLM's default compiled "
+                "engine, as deployed. On CPU the compilation costs ~30 s per run (the compile cache is keyed by the "
+                "model path, and every run loads its own ``init_model``)."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "shuffle the prompts (TRL's shuffle_dataset)"})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "turn dropout off in the trained model (TRL's disable_dropout)"})
+    rollouts: str = field(default="vllm", metadata={
+        "help": "Who samples: ``vllm`` (the colocated engine) or ``trainer`` (the mismatch-free BF16 control: the "
+                "trainer generates with its own compute path, so the sampling policy is the trained one up to the "
+                "rounding of cached decoding vs the training forward; no vLLM engine starts, and the sampler's "
+                "logprobs are the decode-time ones). :data:`ROLLOUTS`."})
 
     def __post_init__(self) -> None:
         for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rpa.core.errors import UserError, looks_like_hub_id
@@ -55,27 +55,27 @@ class TaskError(UserError):
 
 @dataclass(frozen=True)
 class TaskSpec:
-    name: str = "synthetic-add"
-    path: str | None = None
-    """``datasets.load_dataset`` path: hub id, local directory, or a builder name
-    (``json``/``parquet``/``csv``) together with ``data_files``."""
-    data_files: str | None = None
-    subset: str | None = None
-    split: str = "train"
-    num_prompts: int = 256
-    max_operand: int = 9
-    """synthetic-add: operands are drawn from 0..max_operand."""
-    prompt_format: str = "plain"
-    """synthetic-add: ``plain``, ``fewshot`` or ``chat`` (:data:`PROMPT_FORMATS`)."""
-    fewshot_examples: int = 3
-    """synthetic-add with ``prompt_format: fewshot``: solved examples before the question."""
-    length: int = 32
-    """count, walk: numbers per answer."""
-    eval_prompts: int = 0
-    """Held-out prompts scored every ``eval_every`` steps of a run (0: no evaluation);
-    synthetic tasks draw them with another seed, datasets take them from ``eval_split``."""
-    eval_split: str = "test"
-    seed: int = 0
+    name: str = field(default="synthetic-add", metadata={
+        "help": "the task (rpa.train.tasks: synthetic-add, count, walk or a dataset)"})
+    path: str | None = field(default=None, metadata={
+        "help": "``datasets.load_dataset`` path: hub id, local directory, or a builder name "
+                "(``json``/``parquet``/``csv``) together with ``data_files``."})
+    data_files: str | None = field(default=None, metadata={
+        "help": "files of a json/parquet/csv builder (datasets' data_files)"})
+    subset: str | None = field(default=None, metadata={"help": "dataset configuration name (datasets' name)"})
+    split: str = field(default="train", metadata={"help": "training split of a dataset"})
+    num_prompts: int = field(default=256, metadata={"help": "training prompts drawn"})
+    max_operand: int = field(default=9, metadata={"help": "synthetic-add: operands are drawn from 0..max_operand."})
+    prompt_format: str = field(default="plain", metadata={
+        "help": "synthetic-add: ``plain``, ``fewshot`` or ``chat`` (:data:`PROMPT_FORMATS`)."})
+    fewshot_examples: int = field(default=3, metadata={
+        "help": "synthetic-add with ``prompt_format: fewshot``: solved examples before the question."})
+    length: int = field(default=32, metadata={"help": "count, walk: numbers per answer."})
+    eval_prompts: int = field(default=0, metadata={
+        "help": "Held-out prompts scored every ``eval_every`` steps of a run (0: no evaluation); synthetic tasks draw"
+                " them with another seed, datasets take them from ``eval_split``."})
+    eval_split: str = field(default="test", metadata={"help": "held-out split of a dataset"})
+    seed: int = field(default=0, metadata={"help": "seed of the synthetic prompts (the held-out ones use another)"})
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
