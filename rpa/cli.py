@@ -5,13 +5,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 
-def _cmd_tiny(args: argparse.Namespace) -> int:
-    from rpa.core.fieldtypes import from_args
-    from rpa.sides.tiny import TinySpec, build_tiny
+@dataclass
+class Checked:
+    """What :func:`_check_inputs` validated, each object built once from the flags and job file and
+    handed to the command (no command builds its configuration again)."""
 
-    spec = from_args(TinySpec, args)
+    numerics: Any = None  # NumericsConfig of a measuring command
+    options: Any = None  # the command's options dataclass (ProbeOptions, ParityOptions, TinySpec, GgufSource, ...)
+    configs: list[Any] = field(default_factory=list)  # the run configs of train / warm-start (TrainConfig)
+
+
+def _cmd_tiny(args: argparse.Namespace, checked: Checked) -> int:
+    from rpa.sides.tiny import build_tiny
+
+    spec = checked.options
     out = build_tiny(args.out, spec)
     print(f"rpa tiny: wrote {spec.arch} model ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}) to {out}")
     return 0
@@ -23,10 +34,10 @@ def _gguf_source(args: argparse.Namespace):
     return GgufSource(file=args.gguf, package=args.package, version=args.version, sha256=args.sha256)
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
+def _cmd_convert(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.sides.convert import convert_gguf
 
-    record = convert_gguf(_gguf_source(args), args.out)
+    record = convert_gguf(checked.options, args.out)
     types = ", ".join(f"{n} {t}" for t, n in record["tensor_types"].items())
     origin = f"{record['package']} {record['version']}: " if record["package"] else ""
     print(f"rpa convert: {origin}{record['file']} ({record['architecture']}, {record['tensors']} tensors: {types}; "
@@ -44,14 +55,14 @@ def _task_spec(args: argparse.Namespace):
                                                   if f.name != "name"}})
 
 
-def _cmd_prompts(args: argparse.Namespace) -> int:
+def _cmd_prompts(args: argparse.Namespace, checked: Checked) -> int:
     import json
     from pathlib import Path
 
     from rpa.core.jsonfiles import write_text
     from rpa.train.tasks import build_task
 
-    rows = build_task(_task_spec(args)).rows
+    rows = build_task(checked.options).rows
     write_text(Path(args.out), "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
                                        for r in rows))
     print(f"rpa prompts: {len(rows)} prompts of task {args.task} -> {args.out}")
@@ -71,10 +82,10 @@ def _parity_options(args: argparse.Namespace):
     return from_args(ParityOptions, args)
 
 
-def _cmd_parity(args: argparse.Namespace) -> int:
+def _cmd_parity(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.measure.parity import run_parity
 
-    report = run_parity(args.model, _parity_numerics(args), args.out, _parity_options(args))
+    report = run_parity(args.model, checked.numerics, args.out, checked.options)
     if not report["plugin"]["active"]:
         print(f"rpa parity: FAIL, plugin not active:\n{report['plugin']['error']}", file=sys.stderr)
         return 2
@@ -109,10 +120,10 @@ def _probe_options(args: argparse.Namespace):
     return from_args(ProbeOptions, args)
 
 
-def _cmd_probe(args: argparse.Namespace) -> int:
+def _cmd_probe(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.measure.probe import run_probe
 
-    s = run_probe(args.model, _numerics(args), args.out, _probe_options(args), completions_path=args.completions,
+    s = run_probe(args.model, checked.numerics, args.out, checked.options, completions_path=args.completions,
                   replace=args.replace)
     bv = s["trainer_batch_variance"]["batch_vs_single"]
     full = "n/a" if s["full_kl"] is None else f"{s['full_kl']:.3g}"
@@ -155,10 +166,10 @@ def _sequences(args: argparse.Namespace) -> list[list[int]]:
     return args._sequences
 
 
-def _cmd_diagnose(args: argparse.Namespace) -> int:
+def _cmd_diagnose(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.measure.diagnose import format_table, read_layers, run_diagnose
 
-    s = run_diagnose(args.model, _numerics(args), args.out, _sequences(args), seed=args.seed, replace=args.replace)
+    s = run_diagnose(args.model, checked.numerics, args.out, _sequences(args), seed=args.seed, replace=args.replace)
     print(format_table(read_layers(f"{args.out}/layers.csv")))
     first = s["first_divergence"]
     where = "none (bitwise equal everywhere)" if first is None else f"layer {first['layer']} {first['boundary']}"
@@ -173,10 +184,10 @@ def _attribution_options(args: argparse.Namespace):
     return from_args(AttributionOptions, args)
 
 
-def _cmd_attribute(args: argparse.Namespace) -> int:
+def _cmd_attribute(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.measure.attribution import run_attribution
 
-    s = run_attribution(args.model, _numerics(args), args.out, args.completions, _attribution_options(args),
+    s = run_attribution(args.model, checked.numerics, args.out, args.completions, checked.options,
                         replace=args.replace)
     base = s["rungs"]["trainer"]["mean_abs_dlogp"]
     for rung, r in s["rungs"].items():
@@ -187,11 +198,10 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _cmd_train(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.train.grpo import run_train, run_trains
-    from rpa.train.config import TrainConfig
 
-    cfgs = [TrainConfig.from_yaml(path) for path in args.config]  # checked in _check_inputs
+    cfgs = checked.configs
     if len(cfgs) == 1:
         results = [run_train(cfgs[0], args.out[0])]  # its own failure propagates, as it always has
     else:
@@ -211,11 +221,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _cmd_warm_start(args: argparse.Namespace) -> int:
+def _cmd_warm_start(args: argparse.Namespace, checked: Checked) -> int:
     from rpa.train.grpo import run_warm_start
-    from rpa.train.config import TrainConfig
 
-    cfg = TrainConfig.from_yaml(args.config)  # checked in _check_inputs
+    cfg = checked.configs[0]
     info = run_warm_start(cfg, args.out)
     losses = info.get("warm_start_losses") or [float("nan")]
     print(f"rpa warm-start: {len(info.get('warm_start_losses', []))} supervised steps, final loss {losses[-1]:.3g} "
@@ -352,29 +361,32 @@ def _with_job_config(parser: argparse.ArgumentParser, argv: list[str] | None,
     return args
 
 
-def _check_inputs(args: argparse.Namespace) -> None:
+def _check_inputs(args: argparse.Namespace) -> Checked:
     """Everything that can be checked before a model or an engine loads or an output is made:
     option ranges, the model checkpoint (config, architecture, whole weights, tokenizer), input
     files (and their token ids against the model's vocabulary), the output path, and a run
-    config with its context length against the model's. Each failure is one line, exit 2."""
+    config with its context length against the model's. Each failure is one line, exit 2.
+    Returns the validated objects the command then uses (:class:`Checked`)."""
     from rpa.core.errors import InputError
     from rpa.measure.inputs import check_model, check_output, check_token_ids
 
     if args.command == "convert":
-        _gguf_source(args).locate()
+        source = _gguf_source(args)
+        source.locate()
         check_output(args.out, "dir", command="convert")
-        return
+        return Checked(options=source)
     if args.command == "prompts":
-        _task_spec(args)
+        spec = _task_spec(args)
         check_output(args.out, "file")
-        return
+        return Checked(options=spec)
     if args.command == "tiny":
         from rpa.core.fieldtypes import from_args
         from rpa.sides.tiny import TinySpec
 
-        from_args(TinySpec, args).validate()
+        spec = from_args(TinySpec, args)
+        spec.validate()
         check_output(args.out, "dir", command="tiny")
-        return
+        return Checked(options=spec)
     if args.command in ("train", "warm-start"):
         from rpa.train.config import TrainConfig
 
@@ -406,20 +418,22 @@ def _check_inputs(args: argparse.Namespace) -> None:
             problems = engine_problems(cfgs)
             if problems:
                 raise InputError("these runs cannot share a process: " + "; ".join(problems))
-        return
+        return Checked(configs=cfgs)
     numerics = _parity_numerics(args) if args.command == "parity" else _numerics(args)
+    options = None
     if args.command == "parity":
-        _parity_options(args)  # the option values (a trainer_dtype from a job file is not an argparse choice)
+        options = _parity_options(args)  # the option values (a trainer_dtype from a job file is not an argparse choice)
         if not numerics.regions:
             raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
-    options = _probe_options(args) if args.command == "probe" else None  # ranges of the probe's options
+    if args.command == "probe":
+        options = _probe_options(args)  # ranges of the probe's options
     if args.command == "diagnose":
         from rpa.measure.diagnose import DiagnoseOptions
         from rpa.core.fieldtypes import from_args
 
-        from_args(DiagnoseOptions, args)  # ranges of diagnose's options
+        options = from_args(DiagnoseOptions, args)  # ranges of diagnose's options
     if args.command == "attribute":
-        _attribution_options(args)
+        options = _attribution_options(args)
         if not args.completions:
             raise InputError("--completions required (as a flag or in --config): the sequences to score")
         if numerics.precision != "bf16":
@@ -427,11 +441,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
     numerics.check_device()
     config = check_model(args.model)
     limit = getattr(config, "max_position_embeddings", None)
-    if options is not None and limit and options.max_model_len > limit:
+    if args.command == "probe" and limit and options.max_model_len > limit:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
     completions = getattr(args, "completions", None)
-    if options is not None and options.prompts_file and not completions:
+    if args.command == "probe" and options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
 
         count = len(read_prompts(options.prompts_file))  # one line naming the file and line, before any engine
@@ -446,8 +460,9 @@ def _check_inputs(args: argparse.Namespace) -> None:
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options
 
+    checked = Checked(numerics=numerics, options=options)
     if getattr(args, "replace", False):
-        return  # the earlier output gives way (rpa.core.outdir.claim)
+        return checked  # the earlier output gives way (rpa.core.outdir.claim)
     if args.command == "probe":
         from rpa.measure.probe import recorded_options
 
@@ -459,8 +474,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
     elif args.command == "attribute":
         from rpa.measure.attribution import recorded_options
 
-        check_options(args.out, "attribute", recorded_options(args.model, numerics, completions,
-                                                               _attribution_options(args)))
+        check_options(args.out, "attribute", recorded_options(args.model, numerics, completions, options))
+    return checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,8 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args = _with_job_config(parser, argv, args)
-        _check_inputs(args)
-        return args.func(args)
+        return args.func(args, _check_inputs(args))
     except UserError as err:
         print(f"rpa {args.command}: error: {err}", file=sys.stderr)
         return 2

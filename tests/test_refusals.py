@@ -365,3 +365,19 @@ def test_diagnose_rerun_with_other_options_is_refused(capsys, model, tmp_path):
                                             [[3, 4, 5], [3, 4, 6]], 0))
     refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", out, "--completions", completions,
                      "--sequences", "3"], "made with other options (sequences: 2 -> 3")
+
+
+def test_the_input_check_hands_the_command_what_it_validated(model, tmp_path):
+    """Parse once and pass the object down: the check returns the validated numerics, options and
+    run configs (:class:`rpa.cli.Checked`), the objects the command then runs with."""
+    from rpa.cli import _check_inputs, build_parser
+    from rpa.measure.probe import ProbeOptions
+    from rpa.train.config import TrainConfig
+
+    parser = build_parser()
+    checked = _check_inputs(parser.parse_args(probe(str(model), str(tmp_path / "o"), "--seed", "3")))
+    assert checked.options == ProbeOptions(seed=3) and checked.numerics.regions == {"rope", "swiglu", "rmsnorm"}
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"model": str(model), "steps": 3, "numerics": {"regions": "all"}}))
+    checked = _check_inputs(parser.parse_args(["train", "--config", str(run), "--out", str(tmp_path / "r")]))
+    assert checked.configs == [TrainConfig.from_yaml(run)] and checked.configs[0].steps == 3
