@@ -26,8 +26,8 @@ def test_defaults_are_the_study_baseline():
     ({"precision": "fp32", "trainer_mode": "autocast"}, "16-bit precision"),
     ({"regions": "rope", "precision": "fp16"}, "BF16 contract"),
     ({"regions": "rope,attention"}, "unknown region(s) 'attention'"),
-    ({"precision": "bf17"}, "precision 'bf17'"),
-    ({"trainer_mode": "fsdp"}, "trainer_mode 'fsdp'"),
+    ({"precision": "bf17"}, "precision: 'bf17' is not one of bf16, fp16, fp32"),
+    ({"trainer_mode": "fsdp"}, "trainer_mode: 'fsdp' is not one of compute, autocast"),
     ({"regions": "all", "lmhead": True}, "unknown key(s) lmhead"),
     ({"lm_head_fp32": "yes"}, "true or false"),
 ])
@@ -181,3 +181,34 @@ def test_every_option_of_every_config_dataclass_has_its_help():
                                                       SyncCheck, WarmStart, TrainConfig, TaskSpec)
                for f in fields(cls) if not str(f.metadata.get("help", "")).strip()]
     assert not missing, missing
+
+
+def test_an_enumerated_option_is_a_literal_checked_once_and_offered_as_choices():
+    """``Literal[...]`` fields: the coercion refuses other values naming the key and the values, a
+    dataclass built in code is held to them too, and the CLI offers them as choices."""
+    import argparse
+    from dataclasses import dataclass, field
+    from typing import Literal
+
+    from rpa.core.fieldtypes import FieldTypeError, add_arguments, check_choices, choices, coerce
+    from rpa.train.config import ROLLOUTS, Rollouts, TrainConfig, TrainConfigError
+
+    assert choices(Rollouts) == ROLLOUTS == ("vllm", "trainer")
+    assert coerce("rollouts", "trainer", Rollouts) == "trainer"
+    for bad in ("sglang", 1, None):
+        with pytest.raises(FieldTypeError, match="rollouts: .* is not one of vllm, trainer"):
+            coerce("rollouts", bad, Rollouts)
+    with pytest.raises(TrainConfigError, match="old_logprobs: 'vllm' is not one of trainer, sampler"):
+        TrainConfig(model="m", old_logprobs="vllm")  # built in code, not through the coercion
+
+    @dataclass
+    class Opts:
+        mode: Literal["a", "b"] = field(default="a", metadata={"help": "h"})
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Opts)
+    assert parser.parse_args(["--mode", "b"]).mode == "b"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "c"])
+    with pytest.raises(FieldTypeError):
+        check_choices(Opts(mode="c"))

@@ -339,10 +339,10 @@ def test_a_parity_job_with_a_bad_trainer_dtype(capsys, model, tmp_path):
     job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "trainer_dtype": "float16"}))
     refused(capsys, ["parity", "--config", job, "--out", tmp_path / "r.json"], "trainer_dtype: 'float16' is not one of",
             absent=tmp_path / "r.json")
-    # spelled as every precision of the suite is (bf16 / fp32); torch's names are refused with the spelling
+    # spelled as every precision of the suite is (bf16 / fp32), not with torch's names
     job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "trainer_dtype": "float32"}))
-    refused(capsys, ["parity", "--config", job, "--out", tmp_path / "r.json"], "(spelled 'fp32' here)",
-            absent=tmp_path / "r.json")
+    refused(capsys, ["parity", "--config", job, "--out", tmp_path / "r.json"],
+            "trainer_dtype: 'float32' is not one of bf16, fp32", absent=tmp_path / "r.json")
 
 
 def test_a_job_needs_its_model_regions_and_out(capsys, tmp_path):

@@ -44,6 +44,10 @@ def _as_float(value: Any) -> float | None:
 def coerce(key: str, value: Any, hint: Any) -> Any:
     """``value`` for a field annotated ``hint``, or :class:`FieldTypeError` naming ``key``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:  # an enumerated option: its values are the field's type
+        if isinstance(value, str) and value in args:
+            return value
+        raise FieldTypeError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -81,6 +85,24 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     return value  # nested dataclasses, frozensets, Any: built and checked by their owners
 
 
+def choices(hint: Any) -> tuple[str, ...]:
+    """The values of an enumerated option (``Literal[...]``): its CLI choices and the one list every
+    check and message takes them from."""
+    return tuple(typing.get_args(hint))
+
+
+def check_choices(obj: Any, error: type[Exception] = None) -> None:
+    """Every ``Literal`` field of the dataclass instance ``obj`` holds one of its values (a
+    dataclass built in code, not through :func:`typed`, is held to its enumerations too)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            try:
+                coerce(f.name, getattr(obj, f.name), hints[f.name])
+            except FieldTypeError as err:
+                raise (error or FieldTypeError)(str(err)) from None
+
+
 def typed(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``data`` (keys of the dataclass ``cls``) with every value checked against its field's
     type; keys are reported as ``prefix + key``. Unknown keys are left for the caller."""
@@ -116,6 +138,8 @@ def add_arguments(parser, cls: type, names: tuple[str, ...] | None = None) -> No
             args = typing.get_args(hint)
             parser.add_argument(_flag(f.name), type=args[0], nargs=len(args), default=f.default, help=shown,
                                 metavar=f.metadata.get("metavar"))
+        elif typing.get_origin(hint) is typing.Literal:  # an enumerated option: its values are the choices
+            parser.add_argument(_flag(f.name), type=str, default=f.default, help=shown, choices=choices(hint))
         else:
             if typing.get_origin(hint) in (typing.Union, types.UnionType):  # ``X | None``: a flag of type X
                 hint = next(a for a in typing.get_args(hint) if a is not type(None))

@@ -21,22 +21,30 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rpa.core.errors import UserError
-from rpa.core.fieldtypes import FieldTypeError, typed
+from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, typed
 from rpa.core.regions import RegionError, format_regions, parse_regions
 
-PRECISIONS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The enumerated options: each a ``Literal`` type, checked once where values are coerced
+# (rpa.core.fieldtypes) and in __post_init__ by the same function; the tuples are their values.
+Precision = Literal["bf16", "fp16", "fp32"]
+TrainerMode = Literal["compute", "autocast"]
+TrainerPositions = Literal["auto", "mask", "stock"]
+TrainerAttention = Literal["stock", "fp32"]
+AlignedSides = Literal["both", "trainer", "sampler"]
+
+PRECISIONS: dict[str, str] = dict(zip(choices(Precision), ("bfloat16", "float16", "float32")))
 """Precision name -> torch/vLLM dtype name."""
 
-TRAINER_MODES: tuple[str, ...] = ("compute", "autocast")
+TRAINER_MODES: tuple[str, ...] = choices(TrainerMode)
 
 KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation",
                          "trainer_positions", "aligned_sides", "trainer_attention")
-TRAINER_POSITIONS: tuple[str, ...] = ("auto", "mask", "stock")
-TRAINER_ATTENTION: tuple[str, ...] = ("stock", "fp32")
-ALIGNED_SIDES: tuple[str, ...] = ("both", "trainer", "sampler")
+TRAINER_POSITIONS: tuple[str, ...] = choices(TrainerPositions)
+TRAINER_ATTENTION: tuple[str, ...] = choices(TrainerAttention)
+ALIGNED_SIDES: tuple[str, ...] = choices(AlignedSides)
 PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
 MANTISSA_BITS: tuple[int, int] = (1, 6)
 """The dose's range of kept mantissa bits (inclusive): BF16 has 7 explicit ones, so 7 would be no dose."""
@@ -67,37 +75,36 @@ class NumericsConfigError(UserError):
 class NumericsConfig:
     regions: frozenset[str] = field(default_factory=frozenset, metadata={
         "help": "the aligned regions, a subset of rope, swiglu, rmsnorm ('none', 'all' or comma-separated in configs)"})
-    precision: str = field(default="bf16", metadata={
-        "help": "compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)", "choices": tuple(PRECISIONS)})
+    precision: Precision = field(default="bf16", metadata={
+        "help": "compute precision of both engines (fp32 = floor, fp16 = Precision-RL point)"})
     lm_head_fp32: bool = field(default=False, metadata={"help": "LM head in FP32 on both sides (ScaleRL point)"})
-    trainer_mode: str = field(default="compute", metadata={
+    trainer_mode: TrainerMode = field(default="compute", metadata={
         "help": "compute: parameters at the precision (FSDP-style, the study's baseline); autocast: FP32 parameters "
-                "under torch.autocast (TRL default)", "choices": TRAINER_MODES})
+                "under torch.autocast (TRL default)"})
     device: str = field(default="auto", metadata={
         "help": "trainer-side device: auto (the device type vLLM runs on), cpu, cuda, cuda:N; both sides must be "
                 "on one device type"})
     """Where the trainer side runs in probe / parity / diagnose: ``auto`` (the device type
     vLLM runs on), ``cpu``, ``cuda`` or ``cuda:N``. Both sides of a comparison must run on
     one device type (:meth:`check_device`): CPU and CUDA kernels round differently."""
-    trainer_positions: str = field(default="auto", metadata={
+    trainer_positions: TrainerPositions = field(default="auto", metadata={
         "help": "trainer RoPE positions without position_ids: mask (as vLLM counts), stock (HF: shifted by left "
-                "padding), auto (mask when rope is aligned)", "choices": TRAINER_POSITIONS})
+                "padding), auto (mask when rope is aligned)"})
     """RoPE positions of the trainer when a batch comes without ``position_ids`` (TRL's
     left-padded layout): ``mask`` (counted from each row's first real token, as vLLM counts),
     ``stock`` (HF's: shifted by the pad count), ``auto`` (``mask`` exactly when ``rope`` is
     aligned). Independent of the regions, so a RoPE arm can measure rounding alone."""
-    trainer_attention: str = field(default="stock", metadata={
+    trainer_attention: TrainerAttention = field(default="stock", metadata={
         "help": "trainer attention: stock (HF's sdpa in the compute dtype) or fp32 (the same sdpa on its BF16 q/k/v "
-                "upcast, rounded once at the output: the numerics of vLLM's CPU attention kernel)",
-        "choices": TRAINER_ATTENTION})
+                "upcast, rounded once at the output: the numerics of vLLM's CPU attention kernel)"})
     """The trainer's attention: ``stock`` (HF's kernel in the compute dtype, rounding its
     intermediates) or ``fp32`` -- the same kernel on the BF16 q, k, v upcast to FP32, its output
     rounded once: the aligned regions' recipe applied to attention, trainer side only. vLLM's CPU
     attention kernel computes in FP32 and rounds once (on SmolLM2 its output equals FP32 sdpa
     rounded once in 99.999% of elements, HF's BF16 sdpa in 81%); its CUDA backends need their own
     check. The kernels are not changed: only what the trainer feeds them."""
-    aligned_sides: str = field(default="both", metadata={
-        "help": "which side applies --regions (a one-sided control: trainer or sampler only)", "choices": ALIGNED_SIDES})
+    aligned_sides: AlignedSides = field(default="both", metadata={
+        "help": "which side applies --regions (a one-sided control: trainer or sampler only)"})
     """Which side applies ``regions``: ``both`` (the method), or one side only (a control)."""
     sampler_perturbation: tuple[tuple[str, int], ...] | None = field(default=None, metadata={
         "help": "The positive control's dose, on the sampler only (never part of the method): ``{mantissa_bits: k}`` "
@@ -108,10 +115,7 @@ class NumericsConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise NumericsConfigError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
-        if self.precision not in PRECISIONS:
-            raise NumericsConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.trainer_mode not in TRAINER_MODES:
-            raise NumericsConfigError(f"trainer_mode {self.trainer_mode!r} is not one of {', '.join(TRAINER_MODES)}")
+        check_choices(self, NumericsConfigError)  # precision, trainer_mode, trainer_positions, _attention, aligned_sides
         if not isinstance(self.lm_head_fp32, bool):
             raise NumericsConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
         if self.precision == "fp32":
@@ -121,16 +125,8 @@ class NumericsConfig:
                 raise NumericsConfigError("lm_head_fp32 is redundant with precision fp32")
             if self.trainer_mode == "autocast":
                 raise NumericsConfigError("trainer_mode autocast needs a 16-bit precision (fp32 has nothing to autocast to)")
-        if self.trainer_positions not in TRAINER_POSITIONS:
-            raise NumericsConfigError(f"trainer_positions {self.trainer_positions!r} is not one of "
-                                      f"{', '.join(TRAINER_POSITIONS)}")
-        if self.trainer_attention not in TRAINER_ATTENTION:
-            raise NumericsConfigError(f"trainer_attention {self.trainer_attention!r} is not one of "
-                                      f"{', '.join(TRAINER_ATTENTION)}")
         if self.trainer_attention == "fp32" and self.precision == "fp32":
             raise NumericsConfigError("trainer_attention fp32 is redundant with precision fp32")
-        if self.aligned_sides not in ALIGNED_SIDES:
-            raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} is not one of {', '.join(ALIGNED_SIDES)}")
         if self.aligned_sides != "both" and not self.regions:
             raise NumericsConfigError(f"aligned_sides {self.aligned_sides!r} needs a region set to apply")
         if self.sampler_perturbation is not None:

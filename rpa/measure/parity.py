@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from rpa.core.fieldtypes import check_choices, choices
 from rpa.core.jsonfiles import write_json
 from rpa.core.numerics_config import PRECISIONS
 from rpa.core.regions import REGIONS, format_regions, parse_regions
@@ -26,7 +27,8 @@ if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's
     from torch import Tensor
 
 SCHEMA = "rpa.parity/1"
-TRAINER_DTYPES = ("bf16", "fp32")  # spelled as NumericsConfig.precision (rpa.core.numerics_config.PRECISIONS)
+TrainerDtype = Literal["bf16", "fp32"]  # spelled as NumericsConfig.precision (rpa.core.numerics_config.PRECISIONS)
+TRAINER_DTYPES = choices(TrainerDtype)
 
 
 @dataclass(frozen=True)
@@ -37,17 +39,13 @@ class ParityOptions:
     compiled: bool = field(default=False, metadata={
         "help": "run vLLM compiled and check the compiled engine's logprobs against an eager one's (default: eager)"})
     multiprocess: bool = field(default=False, metadata={"help": "vLLM engine core in its own process"})
-    trainer_dtype: str = field(default="bf16", metadata={
-        "help": "parameter dtype of the HF model (fp32 = FP32 master, BF16 compute)", "choices": TRAINER_DTYPES})
+    trainer_dtype: TrainerDtype = field(default="bf16", metadata={
+        "help": "parameter dtype of the HF model (fp32 = FP32 master, BF16 compute)"})
 
     def __post_init__(self) -> None:
         from rpa.core.errors import InputError
 
-        if self.trainer_dtype not in TRAINER_DTYPES:
-            torch_names = {"bfloat16": "bf16", "float32": "fp32"}  # the spelling before 2026-12-02
-            hint = f" (spelled {torch_names[self.trainer_dtype]!r} here)" if self.trainer_dtype in torch_names else ""
-            raise InputError(f"parity option trainer_dtype: {self.trainer_dtype!r} is not one of "
-                             f"{', '.join(TRAINER_DTYPES)}{hint}")
+        check_choices(self, InputError)  # trainer_dtype (from a job file argparse's choices do not apply)
 
 
 DEFAULT_PROMPTS = (

@@ -9,30 +9,30 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rpa.train.collapse import CollapseThresholds
 from rpa.core.errors import UserError
-from rpa.core.fieldtypes import FieldTypeError, typed
+from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, typed
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.train.tasks import SYNTHETIC, TaskError, TaskSpec
 
-IS_CORRECTIONS: dict[str, str | None] = {"off": None, "token_truncate": "token_truncate",
-                                         "sequence_mask": "sequence_mask"}
-"""Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
-
-
-OLD_LOGPROBS = ("trainer", "sampler")
-
-ROLLOUTS = ("vllm", "trainer")
+# The enumerated options: each a ``Literal`` type, checked once where values are coerced
+# (rpa.core.fieldtypes) and in __post_init__ by the same function; the tuples are their values.
+IsCorrection = Literal["off", "token_truncate", "sequence_mask"]
+OldLogprobs = Literal["trainer", "sampler"]
+Rollouts = Literal["vllm", "trainer"]
 """Who samples the rollouts: ``vllm`` (the colocated engine: the mismatch under study) or ``trainer``
 (the trainer's own BF16 compute path: the mismatch-free control, mu = pi up to decode vs recompute)."""
-
-LR_SCHEDULES = ("linear", "constant", "cosine")
+LrSchedule = Literal["linear", "constant", "cosine"]
 """``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
-
-SCALE_REWARDS = ("group", "batch", "none")
+ScaleRewards = Literal["group", "batch", "none"]
 """TRL ``scale_rewards``: what GRPO divides the centred rewards by (group std, batch std, nothing)."""
+
+IS_CORRECTIONS: dict[str, str | None] = {c: None if c == "off" else c for c in choices(IsCorrection)}
+"""Importance-sampling correction -> TRL ``vllm_importance_sampling_mode`` (None: correction off)."""
+OLD_LOGPROBS, ROLLOUTS = choices(OldLogprobs), choices(Rollouts)
+LR_SCHEDULES, SCALE_REWARDS = choices(LrSchedule), choices(ScaleRewards)
 
 
 class TrainConfigError(UserError):
@@ -93,7 +93,7 @@ class TrainConfig:
         "help": "the task: prompts, reward and held-out prompts (TaskSpec)"})
     numerics: NumericsConfig = field(default_factory=NumericsConfig, metadata={
         "help": "the numerics configuration of both sides (NumericsConfig: regions, precision, ...)"})
-    is_correction: str = field(default="off", metadata={
+    is_correction: IsCorrection = field(default="off", metadata={
         "help": "importance-sampling correction of the trainer-sampler mismatch (TRL's "
                 "vllm_importance_sampling_mode): off, token_truncate or sequence_mask (IS_CORRECTIONS)"})
     is_cap: float = field(default=2.0, metadata={
@@ -139,11 +139,11 @@ class TrainConfig:
                 " a barrier of their own rather than in the next collective of training (whose timeout, 30 min by "
                 "default, one 8B evaluation of 500 prompts x 4,096 tokens, ~20 min on an 80 GB GPU, comes close to); "
                 "past it the run fails."})
-    old_logprobs: str = field(default="trainer", metadata={
+    old_logprobs: OldLogprobs = field(default="trainer", metadata={
         "help": "PPO's old log-probabilities: ``trainer`` (TRL's recomputation at the sampling weights: ratio 1 on "
                 "the first update) or ``sampler`` (vLLM's, as asynchronous GRPO trainers use them: the mismatch "
                 'reaches the clip -- "phantom clipping").'})
-    lr_scheduler_type: str = field(default="linear", metadata={
+    lr_scheduler_type: LrSchedule = field(default="linear", metadata={
         "help": "Learning-rate schedule over ``steps`` (transformers' ``lr_scheduler_type``): ``linear`` (TRL's "
                 "default, decays to 0 at the last step), ``constant`` (as the published BF16 collapses trained), "
                 "``cosine``."})
@@ -157,7 +157,7 @@ class TrainConfig:
     eval_temperature: float = field(default=0.0, metadata={
         "help": "Sampling temperature of the held-out evaluation (0: greedy), separate from ``temperature`` "
                 "(training's)."})
-    scale_rewards: str = field(default="group", metadata={
+    scale_rewards: ScaleRewards = field(default="group", metadata={
         "help": "TRL ``scale_rewards``: ``group`` (TRL's default: each group's rewards minus their mean, divided by "
                 "the group's std, so a group whose rewards differ by 0.01 still gets unit-size advantages), ``batch``"
                 " (divided by the std over the whole step) or ``none`` (centred only, Dr. GRPO). The value in effect "
@@ -183,7 +183,7 @@ class TrainConfig:
     shuffle_dataset: bool = field(default=True, metadata={"help": "shuffle the prompts (TRL's shuffle_dataset)"})
     disable_dropout: bool = field(default=True, metadata={
         "help": "turn dropout off in the trained model (TRL's disable_dropout)"})
-    rollouts: str = field(default="vllm", metadata={
+    rollouts: Rollouts = field(default="vllm", metadata={
         "help": "Who samples: ``vllm`` (the colocated engine) or ``trainer`` (the mismatch-free BF16 control: the "
                 "trainer generates with its own compute path, so the sampling policy is the trained one up to the "
                 "rounding of cached decoding vs the training forward; no vLLM engine starts, and the sampler's "
@@ -193,8 +193,7 @@ class TrainConfig:
         for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):
             if not isinstance(getattr(self, name), bool):
                 raise TrainConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
-        if self.is_correction not in IS_CORRECTIONS:
-            raise TrainConfigError(f"is_correction: {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}")
+        check_choices(self, TrainConfigError)  # is_correction, old_logprobs, lr_scheduler_type, scale_rewards, rollouts
         for name in ("steps", "prompts_per_step", "num_generations", "max_prompt_length", "max_completion_length",
                      "checkpoint_every"):
             if getattr(self, name) < 1:
@@ -207,9 +206,6 @@ class TrainConfig:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
             raise TrainConfigError("logprob_chunk_tokens must be >= 1 and vllm_context_slack >= 0")
-        if self.lr_scheduler_type not in LR_SCHEDULES:
-            raise TrainConfigError(f"lr_scheduler_type: {self.lr_scheduler_type!r} is not one of "
-                                   f"{', '.join(LR_SCHEDULES)}")
         for name in ("updates_per_generation", "num_iterations"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -217,10 +213,6 @@ class TrainConfig:
         if isinstance(self.eval_temperature, bool) or not isinstance(self.eval_temperature, (int, float)) \
                 or not self.eval_temperature >= 0:
             raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise TrainConfigError(f"scale_rewards: {self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
-        if self.rollouts not in ROLLOUTS:
-            raise TrainConfigError(f"rollouts: {self.rollouts!r} is not one of {', '.join(ROLLOUTS)}")
         if self.rollouts == "trainer":
             if self.is_correction != "off":
                 raise TrainConfigError("is_correction: an importance-sampling correction needs a second engine; "
@@ -229,8 +221,6 @@ class TrainConfig:
                 raise TrainConfigError("rollouts: trainer has no separate sampler to perturb or align one-sidedly")
             if self.vllm_tensor_parallel_size != 1:
                 raise TrainConfigError("rollouts: trainer starts no vLLM engine; vllm_tensor_parallel_size must be 1")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise TrainConfigError(f"old_logprobs: {self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
         if self.old_logprobs == "sampler" and self.is_correction != "off":
             raise TrainConfigError(
                 f"is_correction: {self.is_correction} with old_logprobs: sampler applies the correction twice (PPO's "
