@@ -440,6 +440,26 @@ def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_pat
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
+def test_a_finished_run_without_kept_checkpoints_deletes_them_and_stays_finished(tiny_dirs, tmp_path):
+    """keep_checkpoints: false -- the summary is written, then the checkpoints go; started again the
+    run does nothing (its summary, not a checkpoint, says it is done)."""
+    cfg_dict = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "warm_start": {"steps": 0},
+                "keep_checkpoints": False}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(cfg_dict))
+    out = tmp_path / "run"
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    summary = (out / "summary.json").read_text()
+    assert json.loads(summary)["status"] == "ok" and not list(out.glob("checkpoint-*"))
+    again = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
+    assert again.returncode == 0, tail(again)
+    assert (out / "summary.json").read_text() == summary and not list(out.glob("checkpoint-*"))
+    for bad in ("no", 0):
+        with pytest.raises(TrainConfigError, match="keep_checkpoints"):
+            TrainConfig.from_dict({**cfg_dict, "keep_checkpoints": bad})
+
+
 def test_different_config_names_the_keys_and_resolves_paths(tmp_path):
     from rpa.train.rundir import config_diff
 

@@ -130,6 +130,11 @@ class TrainConfig:
                 "(:func:`rpa.train.rundir.latest_checkpoint`); 2 keeps the one before it through a kill during a "
                 "save. ``null`` keeps every checkpoint (each is FP32 weights + Adam states, ~12 bytes a parameter: ~7"
                 " GB at 0.6B, ~98 GB at 8B)."})
+    keep_checkpoints: bool = field(default=True, metadata={
+        "help": "Keep the run's checkpoints once it has ended (its summary written). false: a finished run "
+                "(ok, collapsed or diverged) deletes them -- it is done without them, and a search grid's FP32 "
+                "weights and Adam states (~1.6 GB a run at 135M) would otherwise fill the disk; a run that "
+                "ended in an error keeps them, to resume from once the cause is fixed."})
     eval_every: int = field(default=0, metadata={
         "help": "Score ``task.eval_prompts`` held-out prompts (greedy, by the sampler) at step 0, every this many "
                 "optimizer steps (whatever ``updates_per_generation``; a resumed run keeps the cadence: the sampler "
@@ -190,7 +195,8 @@ class TrainConfig:
                 "logprobs are the decode-time ones). :data:`ROLLOUTS`."})
 
     def __post_init__(self) -> None:
-        for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout"):
+        for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout",
+                     "keep_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise TrainConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         check_choices(self, TrainConfigError)  # is_correction, old_logprobs, lr_scheduler_type, scale_rewards, rollouts

@@ -37,6 +37,7 @@ from rpa.core.jsonfiles import append_jsonl, write_json
 from rpa.train.rundir import (
     RunDirectoryBusy,
     config_diff,
+    drop_checkpoints,
     finished_summary,
     latest_checkpoint,
     lock_run_dir,
@@ -388,6 +389,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
         if error is None:
             raise
         raise error from None  # the run's own failure (e.g. a checkpoint it could not write), not the summary's
+    if not cfg.keep_checkpoints and (error is None or blew_up):
+        drop_checkpoints(out)  # after the summary: a kill in between leaves a finished run with its checkpoints
     if error is not None and not blew_up:
         raise error
     return summary

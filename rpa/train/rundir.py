@@ -79,6 +79,16 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
+def drop_checkpoints(out: Path) -> list[str]:
+    """Delete a finished run's ``checkpoint-*`` directories (``keep_checkpoints: false``); the names."""
+    import shutil
+
+    gone = sorted(p.name for p in out.glob("checkpoint-*") if p.is_dir())
+    for name in gone:
+        shutil.rmtree(out / name)
+    return gone
+
+
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep records up to ``last_step`` (a resumed run re-logs the steps after its checkpoint)."""
     kept = [r for r in read_metrics(path, repair=True) if r["step"] <= last_step]
