@@ -462,6 +462,20 @@ def _reference_style(style: dict) -> dict:
     return {**style, "color": (0.72, 0.72, 0.72, 1.0), "ls": ":", "marker": "x"}
 
 
+def _panel_curves(data: pd.DataFrame, models: list[str], families: list, ref: str, styles: dict):
+    """``(row, column, k, drawn, arm, rows, style)`` for every curve of the family figures: row = arm
+    family, column = model; each panel draws its family's arms and the reference arm (greyed, when it
+    is not a member), ``k`` the arm's place among the ``drawn`` of its panel; empty curves skipped."""
+    for i, (_, members) in enumerate(families):
+        drawn = members if ref in members else [ref, *members]
+        for j, model in enumerate(models):
+            for k, arm in enumerate(drawn):
+                part = _of(data, model, arm)
+                if not part.empty:
+                    style = styles[arm] if arm in members else _reference_style(styles[arm])
+                    yield i, j, k, len(drawn), arm, part, style
+
+
 def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str,
                   accuracy_path: Path | None = None) -> None:
     """Reward (smoothed over 5 steps; mean and sd band over seeds, clipped to [0, 1]): one row per
@@ -474,17 +488,11 @@ def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, pat
     families = arm_families(arms)
     fig, axes = _family_axes(models, families)
     shown: set[str] = set()
-    for i, (_, members) in enumerate(families):
-        drawn = members if ref in members else [ref, *members]
-        for j, model in enumerate(models):
-            for arm in drawn:
-                part = _of(curves, model, arm)
-                if part.empty:
-                    continue
-                style = styles[arm] if arm in members else _reference_style(styles[arm])
-                _band(axes[i, j], part, "step", "reward", arm, style["color"], window=5,
-                      bounds=_bounds(curves, "reward"), ls=style["ls"])
-                shown.add(arm)
+    for i, j, _, _, arm, part, style in _panel_curves(curves, models, families, ref, styles):
+        _band(axes[i, j], part, "step", "reward", arm, style["color"], window=5, bounds=_bounds(curves, "reward"),
+              ls=style["ls"])
+        shown.add(arm)
+    for i in range(len(families)):
         axes[i, 0].set_ylabel("reward (smoothed, 5 steps)", fontsize=7)
     fig.suptitle(f"{label}: reward per arm family (band: sd over seeds; light grey, dotted: {ref})", fontsize=9)
     fig.tight_layout()
@@ -496,17 +504,11 @@ def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, pat
     steps = evals["step"] if not evals.empty else pd.Series([0.0, 1.0])
     dodge = 0.02 * max(float(steps.max() - steps.min()), 1.0)
     shown = set()
-    for i, (_, members) in enumerate(families):
-        drawn = members if ref in members else [ref, *members]
-        for j, model in enumerate(models):
-            for k, arm in enumerate(drawn):
-                part = _of(evals, model, arm)
-                if part.empty:
-                    continue
-                style = styles[arm] if arm in members else _reference_style(styles[arm])
-                _points(axes[i, j], part, "step", "eval/accuracy", style, (k - (len(drawn) - 1) / 2) * dodge,
-                        bounds=_bounds(evals, "eval/accuracy"))
-                shown.add(arm)
+    for i, j, k, drawn, arm, part, style in _panel_curves(evals, models, families, ref, styles):
+        _points(axes[i, j], part, "step", "eval/accuracy", style, (k - (drawn - 1) / 2) * dodge,
+                bounds=_bounds(evals, "eval/accuracy"))
+        shown.add(arm)
+    for i in range(len(families)):
         axes[i, 0].set_ylabel("held-out accuracy", fontsize=7)
     fig.suptitle(f"{label}: held-out accuracy per arm family (bars: sd over seeds; light grey, dotted: {ref})", fontsize=9)
     fig.tight_layout()
@@ -523,17 +525,11 @@ def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str
     families = arm_families(arms)
     fig, axes = _family_axes(models, families, log=True)
     shown: set[str] = set()
-    for i, (_, members) in enumerate(families):
-        drawn = members if ref in members else [ref, *members]
-        for j, model in enumerate(models):
-            for arm in drawn:
-                part = _of(curves, model, arm)
-                if part.empty:
-                    continue
-                style = styles[arm] if arm in members else _reference_style(styles[arm])
-                _band(axes[i, j], part, "step", "mismatch/mean_abs_dlogp", arm, style["color"], window=3,
-                      log=True, ls=style["ls"])
-                shown.add(arm)
+    for i, j, _, _, arm, part, style in _panel_curves(curves, models, families, ref, styles):
+        _band(axes[i, j], part, "step", "mismatch/mean_abs_dlogp", arm, style["color"], window=3, log=True,
+              ls=style["ls"])
+        shown.add(arm)
+    for i in range(len(families)):
         axes[i, 0].set_ylabel("mean |dlogp|", fontsize=7)
     fig.suptitle(f"{label}: in-training mismatch per arm family (geometric mean over seeds, band x/÷ one sd of "
                  f"log10; light grey, dotted: {ref})", fontsize=9)
