@@ -85,3 +85,26 @@ def test_exact_tests_and_power():
     assert smallest_detectable_rate(10, 0.05) < smallest_detectable_rate(8, 0.05) < smallest_detectable_rate(6, 0.05)
     effect = smallest_detectable_effect(8, 0.05)
     assert 1.0 <= effect <= 1.6 and not math.isnan(effect)
+
+
+def test_the_real_model_search_config_states_its_grid_and_questions():
+    """experiments/collapse-smollm2.yaml: valid; the grid is the four arms at one rung x 8 seeds with the
+    rule's windows inside its logged steps, and every question names two of its arms."""
+    import yaml
+
+    from rpa.train.config import TrainConfig
+    from rpa.workflow.pipeline import check_config, search_points
+    from tests.conftest import REPO
+
+    config = yaml.safe_load((REPO / "experiments/collapse-smollm2.yaml").read_text())
+    check_config(config)
+    grid = search_points(config, "grid")
+    assert len(grid) == 4 * 8 and {p["labels"]["arm"] for p in grid} == {"fp32", "none", "all", "self-sampled"}
+    run = TrainConfig.from_dict(grid[0]["config"])
+    logged = run.steps // run.updates_per_generation  # TRL logs once per generated batch
+    assert run.collapse.smoothing_window + run.collapse.min_steps_after_drop < logged
+    assert not run.keep_checkpoints and run.checkpoint_every % run.updates_per_generation == 0
+    rule = config["search"]["decision"]
+    assert set(rule["questions"]) == {"Q1", "Q2", "Q3", "Q4"}
+    assert all(q[side] in {p["labels"]["arm"] for p in grid} for q in rule["questions"].values() for side in "ab")
+    assert smallest_detectable_rate(8, rule["alpha"]) == pytest.approx(0.59)  # what the config's comment says
