@@ -187,7 +187,7 @@ def paired_pilot(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame) -> tuple[
         choice["chosen"] = "/".join(str(out.loc[best, a]) for a in rung_axes)
         choice["chosen_row"] = dict(out.loc[best].items())
         # step 1 is sampled from the same weights with the same seed, so rungs that differ only in a
-        # setting that acts after it (the learning rate) tie exactly: say so beside the choice
+        # setting that acts after it (the learning rate) can tie exactly: say so beside the choice
         choice["tied_with"] = ["/".join(str(out.loc[i, a]) for a in rung_axes)
                                for i in eligible.index if i != best and eligible[i] == eligible[best]]
     else:
