@@ -80,12 +80,12 @@ def check(name: str, scratch: Path, reference: Path = REFERENCE) -> tuple[list[s
     results = scratch / name
     shutil.copytree(ref, results, ignore=shutil.ignore_patterns("tables", "figures", "paper"))
     (results / "figures").mkdir()
+    (results / "tables").mkdir()
     committed = sorted(p.name for p in (ref / "tables").iterdir() if p.is_file())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for command in commands(name, results, [results / "tables" / t for t in committed]):
         for log in re.findall(r">\s*(\S+)\s+2>&1", command):
             Path(log).parent.mkdir(parents=True, exist_ok=True)  # as Snakemake makes an output's folder
-        (results / "tables").mkdir(exist_ok=True)
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         proc = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=REPO, env=env,
                               capture_output=True, text=True)
         if proc.returncode:

@@ -71,8 +71,9 @@ def search_resources(cell):
     labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
     point = SEARCH[cell]
     res = config["search"]["stages"][point["stage"]].get("resources") or {}
-    by_label = [res.get("label_mem_mb", {})[v] for v in point["labels"].values() if v in res.get("label_mem_mb", {})]
-    return {"mem_mb": max(by_label, default=res.get("mem_mb", config["job_mem_mb"])),
+    by_label = res.get("label_mem_mb", {})
+    labelled = [by_label[v] for v in point["labels"].values() if v in by_label]
+    return {"mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
             "runtime": res.get("runtime", 120)}
 
 

@@ -91,7 +91,7 @@ def choices(hint: Any) -> tuple[str, ...]:
     return tuple(typing.get_args(hint))
 
 
-def check_choices(obj: Any, error: type[Exception] = None) -> None:
+def check_choices(obj: Any, error: type[Exception] | None = None) -> None:
     """Every ``Literal`` field of the dataclass instance ``obj`` holds one of its values (a
     dataclass built in code, not through :func:`typed`, is held to its enumerations too)."""
     hints = typing.get_type_hints(type(obj))
