@@ -668,8 +668,8 @@ def _figure_paired_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
         ax.annotate(str(r.get("reference_cell", "")).split("/", 1)[-1].rsplit("/", 2)[0],
                     (r["control_gain"], r["reference_step1_mismatch"]), fontsize=6, xytext=(3, 3),
                     textcoords="offset points")
-    ax.set(xlabel="control (FP32) reward gain: last - first steps", ylabel="stock BF16 step-1 mean |dlogp|",
-           title=f"{label}: pilot (red: eligible, star: chosen)")
+    ax.set(xlabel="control (FP32) reward gain: last - first steps", ylabel="stock BF16 step-1 mean |dlogp|")
+    ax.set_title(f"{label}: pilot\n(red: eligible, star: chosen)", fontsize=9)  # two lines: a long label fits
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=130)
