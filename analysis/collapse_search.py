@@ -49,10 +49,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis.runs import load_run  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import (ABSORBING_MAX_REWARD, ABSORBING_MAX_REWARD_STD, RULE_VERSION,  # noqa: E402
-                                 TERMINAL_STEPS, CollapseThresholds, run_verdict, sensitivity,
-                                 sensitivity_settings, summary_superseded)
-from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+                                 TERMINAL_STEPS, CollapseThresholds, sensitivity_settings)
 
 MISMATCH = "mismatch/mean_abs_dlogp"
 PHANTOM = "mismatch/phantom_clip_rate"
@@ -90,29 +90,21 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
     """(one row per expected cell, per-step metrics of every run with a log)."""
     rows, curves = [], []
     for c in manifest["cells"]:
-        run = results / "search" / c["cell"]
-        row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": "missing"}
-        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-        # only a run that ended (with a summary) counts: a killed or running run's partial log would make
-        # a "missing" row carry numbers that the exported reference results cannot reproduce
-        metrics = read_jsonl(run / "metrics.jsonl") if summary is not None else []
-        if summary is not None:
-            row.update(state="failed" if summary.get("status") == "error" else "finished",
-                       status=summary.get("status"), wall_s=summary.get("wall_s"))
-        if summary is not None and (metrics or summary.get("status") == "collapsed"):
-            cfg = json.loads((run / "config.json").read_text())
-            v = run_verdict(metrics, CollapseThresholds(**cfg["collapse"]), summary)
+        run = load_run(results / "search" / c["cell"])
+        row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": run.state}
+        if run.summary is not None:
+            row.update(status=run.status, wall_s=run.summary.get("wall_s"))
+        if run.judged:
+            cfg, v = run.config, run.verdict
             row.update({f"config_{k}": cfg.get(k) for k in RUN_SETTINGS})
             row.update({k: v.get(k) for k in ("verdict", "collapsed", "collapse_step", "unconfirmed_drop_step",
                                               "recovered_step", "grad_spikes", "steps", "peak_reward",
                                               "final_reward", "terminal_reward", "absorbing", "first_dip_step",
                                               "reward_auc", "rule_version")})
-            row["summary_superseded"] = summary_superseded(summary, v)
-            thresholds = CollapseThresholds(**cfg["collapse"])
-            row.update({sensitivity_column(label): verdict for label, verdict in
-                        sensitivity(metrics, thresholds, summary).items()})
-        if metrics:
-            m = pd.DataFrame(metrics)
+            row["summary_superseded"] = run.superseded
+            row.update({sensitivity_column(label): verdict for label, verdict in run.sensitivity.items()})
+        if run.metrics:
+            m = pd.DataFrame(run.metrics)
             stop = row.get("collapse_step") if row.get("collapsed") else None
             before = m[m["step"] < stop] if stop is not None else m
             drop = min((s for s in (stop, row.get("first_dip_step")) if s is not None and pd.notna(s)), default=None)

@@ -54,9 +54,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text, run_verdict,  # noqa: E402
-                                 sensitivity, sensitivity_settings, summary_superseded)
-from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from analysis.runs import load_run  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
+from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text,  # noqa: E402
+                                 sensitivity_settings)
 
 MISMATCH_STEPS = 4
 """Default early window (steps 1..K) over which a run's mismatch is averaged for the dose axis.
@@ -123,35 +124,29 @@ def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
         raise ValueError(f"mismatch_steps must be >= 1, got {mismatch_steps}")
     rows = []
     for cfg_path in sorted(results.glob("dose/*/*/seed*/config.json")):
-        run = cfg_path.parent
-        arm, seed = run.parts[-3], int(run.name.removeprefix("seed"))
-        cfg = json.loads(cfg_path.read_text())
+        run = load_run(cfg_path.parent)
+        cfg, arm = run.config, run.dir.parts[-3]  # the arm: the grid's label of the sampler's perturbation
         correction, old = cfg["is_correction"], cfg["old_logprobs"]  # what the run ran, not its folder's name
-        metrics = read_jsonl(run / "metrics.jsonl")
-        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        evals = read_jsonl(run / "eval.jsonl")
         row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
-               "is_correction": correction, "old_logprobs": old, "seed": seed,
+               "is_correction": correction, "old_logprobs": old, "seed": int(run.dir.name.removeprefix("seed")),
                "invalid": invalid_setting(correction, old),
-               "status": summary.get("status", "missing"), "mismatch_steps": mismatch_steps}
-        verdict: dict = {}
-        if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
-            thresholds = CollapseThresholds(**cfg["collapse"])
-            verdict = run_verdict(metrics, thresholds, summary)
+               "status": run.status or "missing", "mismatch_steps": mismatch_steps}
+        verdict = run.verdict or {}
+        if run.judged:
             row.update({k: verdict.get(k) for k in (
                 "verdict", "collapsed", "collapse_step", "unconfirmed_drop_step", "recovered_step", "grad_spikes",
                 "first_grad_spike_step", "max_grad_spike_factor", "steps", "peak_reward", "final_reward",
                 "terminal_reward", "absorbing", "rule_version")})
-            row["summary_superseded"] = summary_superseded(summary, verdict)
-            row.update({sensitivity_column(label): v for label, v in sensitivity(metrics, thresholds, summary).items()})
-        if metrics:
-            m = pd.DataFrame(metrics)
+            row["summary_superseded"] = run.superseded
+            row.update({sensitivity_column(label): v for label, v in run.sensitivity.items()})
+        if run.metrics:
+            m = pd.DataFrame(run.metrics)
             drop = verdict.get("collapse_step") or verdict.get("unconfirmed_drop_step")
-            row.update(window_means(metrics, mismatch_steps, drop),
+            row.update(window_means(run.metrics, mismatch_steps, drop),
                        clip_ratio=m["clip_ratio/region_mean"].mean(),
                        sync_over_tolerance_steps=int(m.get("sync/over_tolerance", pd.Series(dtype=float)).sum()))
-        if evals:
-            row.update(final_eval_accuracy=evals[-1]["eval/accuracy"], final_eval_reward=evals[-1]["eval/reward"])
+        if run.evals:
+            row.update(final_eval_accuracy=run.evals[-1]["eval/accuracy"], final_eval_reward=run.evals[-1]["eval/reward"])
         rows.append(row)
     if not rows:
         raise SystemExit(f"no dose runs under {results}/dose")

@@ -57,40 +57,32 @@ import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, run_verdict,  # noqa: E402
-                                 sensitivity, sensitivity_settings)
-from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from analysis.runs import load_run  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
+from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, sensitivity_settings  # noqa: E402
 
 
 def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(one row per expected cell, per-step metrics of finished runs, eval records)."""
     rows, curves, evals = [], [], []
     for c in manifest["cells"]:
-        run = results / "study" / c["cell"]
-        row = {"model": c["model"], "arm": c["arm"], "seed": c["seed"], "state": "missing"}
-        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-        metrics = read_jsonl(run / "metrics.jsonl")
-        if summary is not None:
-            row["state"] = "failed" if summary.get("status") == "error" else "finished"
-            row["status"] = summary.get("status")
-            row["error"] = summary.get("error")
-            if metrics or summary.get("status") == "collapsed":  # a blow-up may stop a run before a step is logged
-                cfg = json.loads((run / "config.json").read_text())
-                thresholds = CollapseThresholds(**cfg["collapse"])
-                v = run_verdict(metrics, thresholds, summary)
-                row.update({k: v.get(k) for k in ("collapsed", "verdict", "collapse_step", "recovered_step",
-                                                  "unconfirmed_drop_step", "grad_spikes", "steps", "peak_reward",
-                                                  "final_reward", "terminal_reward", "absorbing", "rule_version")})
-                row["sensitivity"] = sensitivity(metrics, thresholds, summary)
-                row["persistence"] = thresholds.min_steps_after_drop
-        if summary is not None and metrics:
-            m = pd.DataFrame(metrics)
+        run = load_run(results / "study" / c["cell"])
+        row = {"model": c["model"], "arm": c["arm"], "seed": c["seed"], "state": run.state}
+        if run.summary is not None:
+            row.update(status=run.status, error=run.summary.get("error"))
+        if run.judged:
+            row.update({k: run.verdict.get(k) for k in ("collapsed", "verdict", "collapse_step", "recovered_step",
+                                                        "unconfirmed_drop_step", "grad_spikes", "steps", "peak_reward",
+                                                        "final_reward", "terminal_reward", "absorbing", "rule_version")})
+            row["sensitivity"] = run.sensitivity
+            row["persistence"] = run.thresholds.min_steps_after_drop
+        if run.metrics:
+            m = pd.DataFrame(run.metrics)
             row.update(train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
             curves.append(m.assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
-        e = read_jsonl(run / "eval.jsonl")
-        if e:
-            row["final_eval_accuracy"] = e[-1]["eval/accuracy"]
-            evals.append(pd.DataFrame(e).assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
+        if run.evals:
+            row["final_eval_accuracy"] = run.evals[-1]["eval/accuracy"]
+            evals.append(pd.DataFrame(run.evals).assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
         rows.append(row)
     return (pd.DataFrame(rows), pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),
             pd.concat(evals, ignore_index=True) if evals else pd.DataFrame())

@@ -1,6 +1,7 @@
 """Summaries of a GRPO grid: one row per run, per-group means, and reward / mismatch curves.
 
-Reads ``RESULTS/train/<model>/<setting>/<regions>/seed<N>/{summary.json,metrics.jsonl}``; writes a CSV
+Reads ``RESULTS/train/<model>/<setting>/<regions>/seed<N>/`` (:func:`analysis.runs.load_run`; the region set
+is the run config's, not the folder's name); writes a CSV
 (columns :data:`RUN_COLUMNS`), a Markdown table, and a figure of reward and mismatch vs step.
 Collapse verdicts are recomputed from each ``metrics.jsonl`` with the run's own thresholds, so
 the tables follow the current definition (e.g. the persistence window): ``rule_version`` names
@@ -13,7 +14,6 @@ about 0 in groups without reward variance, whatever the rule says).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
@@ -24,8 +24,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
-from rpa.train.collapse import CollapseThresholds, run_verdict, summary_superseded  # noqa: E402
-from rpa.core.jsonfiles import atomic_path, read_jsonl, write_text  # noqa: E402
+from analysis.runs import load_run  # noqa: E402
+from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
                "peak_reward", "final_reward", "terminal_reward", "absorbing", "reward_auc", "mean_abs_dlogp", "kl_k3",
@@ -35,16 +35,14 @@ RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "col
 def load(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     runs, curves = [], []
     for path in sorted(results.glob("train/*/*/*/seed*/summary.json")):
-        s = json.loads(path.read_text())
-        model, setting, regions = path.parts[-5], path.parts[-4], path.parts[-3]
-        seed = int(path.parts[-2].removeprefix("seed"))
-        records = read_jsonl(path.with_name("metrics.jsonl"))  # a torn last line (killed run) dropped
-        metrics = pd.DataFrame(records)
-        # the verdict under the current definition, with the run's own thresholds
-        verdict = run_verdict(records, CollapseThresholds(**s["config"]["collapse"]), s)
+        run = load_run(path.parent)
+        model, setting, seed = path.parts[-5], path.parts[-4], int(path.parts[-2].removeprefix("seed"))  # its cell
+        regions = run.config["numerics"]["regions"]  # what the run ran, not its folder's name
+        metrics = pd.DataFrame(run.metrics)
         runs.append({"model": model, "setting": setting, "regions": regions, "seed": seed,
-                     **{k: s.get(k) for k in RUN_COLUMNS[4:]}, **{k: v for k, v in verdict.items() if k in RUN_COLUMNS},
-                     "summary_superseded": summary_superseded(s, verdict),
+                     **{k: run.summary.get(k) for k in RUN_COLUMNS[4:]},
+                     **{k: v for k, v in run.verdict.items() if k in RUN_COLUMNS},
+                     "summary_superseded": run.superseded,
                      "mean_abs_dlogp": metrics["mismatch/mean_abs_dlogp"].mean(),
                      "kl_k3": metrics["mismatch/kl_k3"].mean(),
                      "frac_ratio_outside": metrics["mismatch/frac_ratio_outside"].mean()})

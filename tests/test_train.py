@@ -704,3 +704,33 @@ def test_trainer_rollouts_refuse_what_needs_a_second_engine():
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "is_correction": "token_truncate"})
     with pytest.raises(TrainConfigError, match="rollouts: 'sglang' is not one of vllm, trainer"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "sglang"})
+
+
+def test_the_run_loader_counts_only_ended_runs_and_reads_what_a_run_ran(tmp_path):
+    """analysis.runs: a run without a summary is `missing` and its partial log counts for nothing; an
+    exported run keeps its config in its summary; the GRPO-grid table names the region set the run's
+    config ran, not its folder's (here a folder named `rope` holding an `all` run)."""
+    import shutil
+
+    from analysis.runs import load_run
+    from analysis.train_summary import load
+    from tests.conftest import REPO
+
+    src = REPO / "results/reference/cpu/train/tiny-qwen3/lr1e-4/none/seed0"
+    run = load_run(src)
+    assert run.state == "finished" and run.config == run.summary["config"] and run.metrics and run.judged
+    assert run.verdict["rule_version"] and run.superseded is False
+
+    killed = tmp_path / "killed"
+    shutil.copytree(src, killed)
+    (killed / "summary.json").unlink()
+    partial = load_run(killed)
+    assert partial.state == "missing" and partial.metrics == [] and not partial.judged and partial.verdict is None
+
+    dst = tmp_path / "train/tiny-qwen3/lr1e-4/rope/seed0"
+    shutil.copytree(src, dst)
+    summary = json.loads((dst / "summary.json").read_text())
+    summary["config"]["numerics"]["regions"] = "all"
+    (dst / "summary.json").write_text(json.dumps(summary))
+    runs, _ = load(tmp_path)
+    assert runs["regions"].tolist() == ["all"]
