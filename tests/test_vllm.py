@@ -148,7 +148,8 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     none = probe(model, tmp_path / "none", "--regions", "none")
     completions = str(tmp_path / "none" / "completions.jsonl")
     aligned = probe(model, tmp_path / "all", "--regions", "all", "--completions", completions)
-    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions)
+    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
+                  "--decode-sequences", "3")
     big_vocab = probe(model, tmp_path / "no-full-kl", "--regions", "all", "--completions", completions,
                       "--full-kl-max-vocab", "100")
     assert big_vocab["full_kl"] is None and "not computed" in big_vocab["full_kl_note"]
@@ -166,6 +167,13 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     # the claims at this scale: aligning all regions lowers the gap; FP32 on both sides is ~1e-7
     assert aligned["mean_abs_dlogp"] < none["mean_abs_dlogp"] < 0.05
     assert floor["mean_abs_dlogp"] < 1e-5
+    # the trainer's own KV-cached decode of the first 3 sequences vs its one-forward recompute: in FP32 ~1e-7
+    decode = floor["trainer_decode_variance"]
+    lengths = [sum(1 for r in rows["fp32"] if r["seq"] == s) for s in sorted({r["seq"] for r in rows["fp32"]}, key=int)]
+    assert decode["sequences"] == 3 and decode["tokens"] == sum(lengths[:3]) > 0
+    assert decode["decode_vs_single"]["mean_abs_dlogp"] < 1e-5 and decode["decode_vs_sampler"]["mean_abs_dlogp"] < 1e-5
+    assert sum(r["logp_trainer_decode"] != "" for r in rows["fp32"]) == decode["tokens"]
+    assert "trainer_decode_variance" not in none  # not asked for: not measured
     assert none["full_kl"] > aligned["full_kl"] > abs(floor["full_kl"])
     # TRL's padded batch shifts stock RoPE positions; aligned RoPE takes them from the mask
     tv = lambda s: s["trainer_batch_variance"]["batch_vs_single"]["mean_abs_dlogp"]  # noqa: E731

@@ -20,6 +20,10 @@ For one model and one :class:`~rpa.core.numerics_config.NumericsConfig`:
    lays them out (prompts left-padded, completions right-padded, no ``position_ids``).
    ``trainer_batch_variance`` compares batch vs batch-1 (the trainer's own noise) and
    batch vs μ (the gap TRL would see).
+5. **π, trainer decode variance** (``decode_sequences``). The first N sequences decoded by
+   the trainer itself through its KV cache, teacher-forced (what ``rollouts: trainer``
+   samples with): ``trainer_decode_variance`` compares that decode vs batch-1 (the
+   residual of a trainer that samples its own rollouts) and vs μ.
 
 Outputs in ``out_dir``: ``summary.json`` (schema :data:`SCHEMA`), ``tokens.csv`` (one row
 per completion token, columns :data:`TOKEN_COLUMNS`) and, when sampling,
@@ -50,15 +54,17 @@ from rpa.measure.scoring import (
     sampler_logprobs,
     save_completions,
     trainer_batch_logprobs,
+    trainer_decode_logprobs,
     trainer_token_stats,
 )
 
 SCHEMA = "rpa.probe/1"
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler",
-                 "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer")
+                 "logp_trainer_batch", "logp_decode", "full_kl", "entropy_trainer", "logp_trainer_decode")
 """``tokens.csv`` columns. ``position`` counts completion tokens from 0; ``p_sampler`` =
 exp(``logp_sampler``); ``logp_decode`` (vLLM's logprob at sampling time), ``full_kl`` and
-``logp_trainer_batch`` (past ``batch_sequences``) are empty where not measured; ``entropy_trainer`` is
+``logp_trainer_batch`` (past ``batch_sequences``) and ``logp_trainer_decode`` (the trainer's own
+KV-cached decode, past ``decode_sequences``) are empty where not measured; ``entropy_trainer`` is
 the entropy (nats) of the trainer's next-token distribution at that position (mismatch tracks it:
 report them together)."""
 
@@ -81,6 +87,10 @@ class ProbeOptions:
     batch_sequences: int | None = field(default=None, metadata={
         "help": "sequences in the trainer's padded batch (trainer_batch_variance): the first N (default: all); a "
                 "smaller batch bounds the cost of that second trainer pass on a large model"})
+    decode_sequences: int | None = field(default=None, metadata={
+        "help": "the first N sequences also decoded by the trainer itself through its KV cache, teacher-forced "
+                "(trainer_decode_variance: what a trainer sampling its own rollouts scores vs its recompute); "
+                "default: not measured"})
     prompts_file: str | None = field(default=None, metadata={
         "help": "sample from the first --prompts prompts of this file (JSON lines with 'prompt', a string or a chat "
                 "conversation rendered with the model's chat template; or one prompt per line; `rpa prompts` writes "
@@ -97,6 +107,8 @@ class ProbeOptions:
             raise InputError(f"probe option seed must be in [0, 2**32), got {self.seed}")
         if self.full_kl_max_vocab < 0:
             raise InputError(f"probe option full_kl_max_vocab must be >= 0 (0: never), got {self.full_kl_max_vocab}")
+        if self.decode_sequences is not None and (isinstance(self.decode_sequences, bool) or self.decode_sequences < 1):
+            raise InputError(f"probe option decode_sequences must be >= 1, got {self.decode_sequences}")
         if self.batch_sequences is not None and (isinstance(self.batch_sequences, bool) or self.batch_sequences < 2):
             raise InputError(f"probe option batch_sequences must be >= 2 (a padded batch), got {self.batch_sequences}")
         lo, hi = self.ratio_band
@@ -185,6 +197,9 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         batch = completions[: options.batch_sequences]  # None: every sequence
         pi_batch = trainer_batch_logprobs(hf, batch, pad_id) + [[math.nan] * len(c["completion_ids"])
                                                                  for c in completions[len(batch):]]
+        decoded = completions[: options.decode_sequences or 0]
+        pi_decode = [trainer_decode_logprobs(hf, c["prompt_ids"], c["completion_ids"]) for c in decoded] + \
+            [[math.nan] * len(c["completion_ids"]) for c in completions[len(decoded):]]
     trainer_record = alignment.describe()  # the trainer that scored the tokens, before the patch comes off
     alignment.remove()
 
@@ -196,7 +211,8 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
                          "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
                          "logp_trainer_batch": "" if math.isnan(pi_batch[i][j]) else pi_batch[i][j],
                          "logp_decode": "" if decode is None else decode[j],
-                         "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j]})
+                         "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j],
+                         "logp_trainer_decode": "" if math.isnan(pi_decode[i][j]) else pi_decode[i][j]})
     col = lambda name: [r[name] for r in rows]  # noqa: E731
     metrics = mismatch_metrics(col("logp_trainer"), col("logp_sampler"), col("seq"), options.ratio_band)
     summary: dict[str, Any] = {"schema": SCHEMA, **metrics, "entropy": float(np.mean(col("entropy_trainer")))}
@@ -214,6 +230,14 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         "batch_vs_single": _pair_stats(batched("logp_trainer_batch"), batched("logp_trainer")),
         "batch_vs_sampler": _pair_stats(batched("logp_trainer_batch"), batched("logp_sampler")),
     }
+    if decoded:
+        in_decode = [r for r in rows if r["logp_trainer_decode"] != ""]
+        of = lambda name: [r[name] for r in in_decode]  # noqa: E731
+        summary["trainer_decode_variance"] = {
+            "sequences": len(decoded), "tokens": len(in_decode),
+            "decode_vs_single": _pair_stats(of("logp_trainer_decode"), of("logp_trainer")),
+            "decode_vs_sampler": _pair_stats(of("logp_trainer_decode"), of("logp_sampler")),
+        }
     if completions_path is None:
         summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
     summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),

@@ -156,6 +156,27 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *,
     return (picked, dist) if full else picked
 
 
+def trainer_decode_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """The trainer's own KV-cached decoding of one sequence (no padding), teacher-forced: the prompt
+    in one forward, then each completion token in a forward of its own on the cache, the last
+    position's FP32 log-softmax scoring the next token -- the path ``model.generate`` samples with
+    (``rollouts: trainer``). :func:`trainer_logprobs` scores the same tokens in one forward of the
+    whole sequence, as training does; where the two differ, the trainer disagrees with itself."""
+    import torch
+
+    device = next(model.parameters()).device
+    picked = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+        for step, token in enumerate(completion_ids):
+            # the next token's log-probability at the last position, the rounding as at sampling time
+            picked.append(float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[token]))
+            if step + 1 < len(completion_ids):
+                out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                            use_cache=True)
+    return picked
+
+
 def trainer_batch_logprobs(model, completions, pad_id: int, batch_size: int | None = None,
                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> list[list[float]]:
     """All sequences laid out as TRL lays out a batch: prompts left-padded, completions
