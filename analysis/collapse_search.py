@@ -120,6 +120,11 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.
                        max_pre_drop_mismatch=_max(before_drop, MISMATCH),
                        max_pre_drop_phantom_clip=_max(before_drop, PHANTOM))
             curves.append(m.assign(**c["labels"], seed=c["seed"]))
+        if run.evals:  # held-out reward and accuracy (eval_temperature; 0: greedy) at the first and last evaluation
+            first, last = run.evals[0], run.evals[-1]
+            row.update(first_eval_step=first["step"], first_eval_reward=first["eval/reward"],
+                       first_eval_accuracy=first["eval/accuracy"], final_eval_step=last["step"],
+                       final_eval_reward=last["eval/reward"], final_eval_accuracy=last["eval/accuracy"])
         rows.append(row)
     return pd.DataFrame(rows), (pd.concat(curves, ignore_index=True) if curves else pd.DataFrame())
 
