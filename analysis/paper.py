@@ -318,7 +318,8 @@ def _commits_of(paths) -> list[str]:
     return [c for c in _commits(paths) if c != "unknown"]
 
 
-def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None) -> str:
+def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None,
+               real_search_results: Path | None = None) -> str:
     """Every commit the results in the paper came from, by part (each run's ``provenance``)."""
     parts = [f"miniature runs {', '.join(_commits_of(sorted(results.glob('study/*/*/seed*/summary.json')))) or 'unknown'}"]
     probes = _commits_of(sorted(results.glob("probe/*/*/summary.json")))
@@ -327,16 +328,21 @@ def provenance(results: Path, dose_results: Path | None = None, search_results: 
     dose = sorted((dose_results or results).glob("dose/*/*/seed*/summary.json"))
     if dose:
         parts.append(f"positive control ({dose_results or results}) {', '.join(_commits_of(dose))}")
-    if search_results is not None:
+    for name, folder in (("search", search_results), ("real-model search", real_search_results)):
+        if folder is None:
+            continue
         for stage in ("pilot", "grid", "ablation", "lever"):
-            found = _commits_of(sorted((search_results / "search" / stage).glob("**/summary.json")))
+            found = _commits_of(sorted((folder / "search" / stage).glob("**/summary.json")))
             if found:
-                parts.append(f"search {stage} ({search_results}) {', '.join(found)}")
+                parts.append(f"{name} {stage} ({folder}) {', '.join(found)}")
+        probes = _commits_of(sorted((folder / "decode").glob("*/summary.json")))
+        if probes:
+            parts.append(f"{name} decode probes ({folder}) {', '.join(probes)}")
     return "; ".join(parts)
 
 
 def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
-                 search_results: Path | None = None) -> Path:
+                 search_results: Path | None = None, real_search_results: Path | None = None) -> Path:
     manifest = json.loads((results / "study" / "manifest.json").read_text())
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
@@ -360,7 +366,7 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
             f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
             f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",
-            f"\\newcommand{{\\commits}}{{{escape(provenance(results, dose_results, search_results))}}}",
+            f"\\newcommand{{\\commits}}{{{escape(provenance(results, dose_results, search_results, real_search_results))}}}",
             f"\\newcommand{{\\ruleversion}}{{{escape(RULE_VERSION)}}}",
             "\\newcommand{\\findings}{\\begin{itemize}" + listed + "\\end{itemize}}",
             f"\\newcommand{{\\abstractresults}}{{{' '.join(escape(x) for x in abstract)}}}",
@@ -441,12 +447,166 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     return path
 
 
+def _fmt(value, spec: str = ".3g") -> str:
+    return "n/a" if value is None or (isinstance(value, float) and value != value) else format(value, spec)
+
+
+def _pilot_rule_text(rule: dict) -> str:
+    """The paired pilot rule (``kind: paired``) in words, from the pilot summary's ``rule``."""
+    return (f"a rung ({', '.join(rule['rung_axes'])}) is eligible when its {rule['control_arm']} run learns -- the mean "
+            f"reward of the last {rule['learn_fraction']:g} of its logged steps exceeds that of the first by at least "
+            f"{rule['min_gain']:g} -- and stays stable; the grid takes the eligible rung whose {rule['reference_arm']} "
+            f"run has the largest step-1 mismatch")
+
+
+def _questions_table(grid: dict) -> list[str]:
+    """The grid's questions, each as its rule (written in the config before the grid ran) answers it."""
+    qs = (grid.get("questions") or {}).get("questions") or {}
+    if not qs:
+        return []
+    rows = []
+    for name, q in qs.items():
+        auc = q.get("reward_auc") or {}
+        rows.append({"question": name, "a": q["a"], "a collapsed": "{}/{}".format(*q["a_collapsed"]),
+                     "b": q["b"], "b collapsed": "{}/{}".format(*q["b_collapsed"]),
+                     "Fisher p (one-sided)": _fmt(q.get("fisher_p")),
+                     "reward AUC a - b": _fmt(auc.get("mean_difference")),
+                     "seed pairs": auc.get("pairs", 0), "signed-rank p": _fmt(auc.get("signed_rank_p")),
+                     "answer": q["answer"]})
+    alpha = (grid.get("questions") or {}).get("alpha")
+    text = "; ".join(f"{name}: {q['question']}" for name, q in qs.items())
+    return [escape(text), booktabs(pd.DataFrame(rows), f"The real-model grid's questions (collapse counts: finished "
+                                   f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
+                                   f"with an exact two-sided signed-rank test)", "tab:realquestions", placement="H")]
+
+
+def _real_runs_table(csv: Path) -> list[str]:
+    """Every finished run of the real-model grid: verdict, raw terminal reward, held-out accuracy, entropy,
+    mismatch and phantom-clip rate (the issue's per-run report)."""
+    if not csv.exists():
+        return []
+    runs = pd.read_csv(csv)
+    done = runs[runs["state"] == "finished"]
+    if done.empty:
+        return []
+    cols = [c for c in ("arm", "seed", "verdict", "terminal_reward", "first_eval_accuracy", "final_eval_accuracy",
+                        "final_entropy", "step1_mismatch", "pre_collapse_mismatch", "max_pre_drop_phantom_clip",
+                        "wall_s") if c in done]
+    return [booktabs(readable(done[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps",
+                                           "first_eval_accuracy": "held-out acc. at start",
+                                           "final_eval_accuracy": "held-out acc. at end",
+                                           "step1_mismatch": "mean |dlogp| step 1",
+                                           "pre_collapse_mismatch": "mean |dlogp| before any collapse",
+                                           "max_pre_drop_phantom_clip": "max phantom clip before any drop"}),
+                     "The real-model grid, every finished run (mismatch: each arm's own sampler against its "
+                     "trainer's training forward on the sampled tokens; for self-sampled the trainer's KV-cached "
+                     "decoding against its own recompute)", "tab:realruns", placement="H")]
+
+
+def _decode_gaps(summary: Path) -> tuple[float, float] | None:
+    """(the trainer's decode vs its recompute, the trainer vs vLLM) from one decode probe's summary."""
+    if not summary.exists():
+        return None
+    s = json.loads(summary.read_text())
+    d = s.get("trainer_decode_variance")
+    return None if d is None else (d["decode_vs_single"]["mean_abs_dlogp"], s["mean_abs_dlogp"])
+
+
+def _decode_table(decode: Path) -> list[str]:
+    """The trainer's own decode vs recompute, beside its padded batch and vLLM (``rpa probe --decode-sequences``)."""
+    rows = []
+    for path in sorted(decode.glob("*/summary.json")):
+        s = json.loads(path.read_text())
+        d, b = s.get("trainer_decode_variance"), s.get("trainer_batch_variance") or {}
+        if d is None:
+            continue
+        rows.append({"configuration": path.parent.name,
+                     "trainer vs vLLM": _fmt(s["mean_abs_dlogp"]),
+                     "trainer decode vs its recompute": _fmt(d["decode_vs_single"]["mean_abs_dlogp"]),
+                     "bitwise equal": _fmt(d["decode_vs_single"]["frac_bitwise_equal"], ".2f"),
+                     "trainer padded batch vs its recompute": _fmt((b.get("batch_vs_single") or {}).get("mean_abs_dlogp")),
+                     "decoded tokens": d["tokens"]})
+    if not rows:
+        return []
+    return [booktabs(pd.DataFrame(rows), "SmolLM2: the trainer disagrees with itself (mean |dlogp| on the same "
+                     "sampled tokens: the trainer's one-forward recompute of each sequence against vLLM, against its "
+                     "own KV-cached decoding, and against its padded training batch)", "tab:realdecode",
+                     placement="H")]
+
+
+def real_search_section(search_results: Path | None, out_dir: Path) -> Path | None:
+    """``real_search_section.tex``: the real-model search (issue 31) -- the paired pilot and its choice,
+    the grid's questions as its rules answer them (or how much of it has run), every finished run, and
+    the trainer's own decode-vs-recompute gap that decides what the self-sampled control can show --
+    from ``<search_results>/tables/search_*.{json,csv}`` and ``<search_results>/decode/*/summary.json``;
+    nothing where no search ran."""
+    path = out_dir / "real_search_section.tex"
+    pilot_json = None if search_results is None else search_results / "tables" / "search_pilot.json"
+    if pilot_json is None or not pilot_json.exists():
+        path.unlink(missing_ok=True)
+        return None
+    pilot = json.loads(pilot_json.read_text())
+    tables, figures = search_results / "tables", search_results / "figures"
+    table = pd.read_csv(tables / "search_pilot.csv")
+    cols = [c for c in ("lr", "length", "updates", "control_gain", "control_stable", "reference_step1_mismatch",
+                        "reference_step1_entropy", "eligible", "chosen") if c in table]
+    parts = ["\\section{A real pretrained model: does stock BF16 collapse on SmolLM2?}",
+             escape(f"The search on SmolLM2-135M-Instruct (2-digit sums after three solved ones; PPO's old "
+                    f"log-probabilities from the sampler, IS off, a constant learning rate, vLLM compiled). The pilot's "
+                    f"rule, written in its config before it ran: {_pilot_rule_text(pilot['rule'])}. "
+                    f"{pilot['finished']} of {pilot['rungs']} rungs finished, {pilot['eligible']} eligible; chosen: "
+                    f"{pilot.get('chosen') or 'none'}."),
+             booktabs(readable(table[cols], {"reference_step1_mismatch": "none mean |dlogp| step 1",
+                                             "reference_step1_entropy": "none entropy step 1",
+                                             "control_gain": "fp32 reward gain", "control_stable": "fp32 stable"}),
+                      "The real-model pilot: FP32's reward gain and stability, stock BF16's step-1 mismatch",
+                      "tab:realpilot", placement="H")]
+    parts += _copied_figure(figures / "search_pilot.png", out_dir, "real_", "The real-model pilot: stock BF16's step-1 "
+                            "mismatch against FP32's reward gain, one point per rung (one seed each; red: eligible, "
+                            "star: chosen).", "fig:realpilot")
+    grid_json = tables / "search_grid.json"
+    if not grid_json.exists():
+        parts.append(escape("The grid has not run yet; the paper says nothing about it."))
+    else:
+        grid = json.loads(grid_json.read_text())
+        parts.append(escape(f"The grid (arms and seeds at the chosen rung, its collapse windows, questions, tests "
+                            f"and power written in its config before it ran): {grid['decision']['statement']}"))
+        parts += _questions_table(grid)
+        parts += _stage_groups(grid, "The real-model grid's finished runs per arm", "tab:realgrid")
+        parts += _real_runs_table(tables / "search_grid.csv")
+        parts += _copied_figure(figures / "search_grid.png", out_dir, "real_", "The real-model grid: reward (top) and "
+                                "in-training mismatch (bottom, log scale) per logged step; line: mean over the finished "
+                                "seeds, band: their range.", "fig:realgrid")
+    decode = _decode_table(search_results / "decode")
+    stock = _decode_gaps(search_results / "decode" / "none" / "summary.json")
+    if decode and stock is not None:
+        own, engines = stock
+        parts.append(escape(f"What the self-sampled control can show: it was meant to be mismatch-free BF16 (the "
+                            f"trainer sampling its own rollouts). With stock BF16 numerics the trainer's KV-cached "
+                            f"decoding of a sequence differs from its own recompute of it by a mean |dlogp| of "
+                            f"{own:.3g}, the trainer from vLLM by {engines:.3g} (ratio {own / engines:.2f}): "
+                            f"`none` against `self-sampled` compares two arms with that much mismatch each."))
+    parts += decode
+    write_text(path, "\n\n".join(parts) + "\n")
+    return path
+
+
 def _figure(path: Path, caption: str, label: str) -> list[str]:
     """A committed figure of the search, placed where it is input (none where it is missing)."""
     if not path.exists():
         return []
     return ["\\begin{figure}[H]\\centering\\includegraphics[width=\\linewidth]{" + path.name + "}"
             f"\\caption{{{escape(caption)}}}\\label{{{label}}}\\end{{figure}}"]
+
+
+def _copied_figure(path: Path, out_dir: Path, prefix: str, caption: str, label: str) -> list[str]:
+    """:func:`_figure` of a copy in ``out_dir`` named ``<prefix><name>``: two searches each have a
+    ``search_pilot.png``, and LaTeX finds a bare name in the first folder that has one."""
+    if not path.exists():
+        return []
+    copy = out_dir / f"{prefix}{path.name}"
+    shutil.copyfile(path, copy)
+    return _figure(copy, caption, label)
 
 
 def _stage_notes(stage: dict) -> list[str]:
@@ -594,7 +754,8 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
                   f"the baseline collapses, and it did not.")
 
 
-def build(results: Path, out_dir: Path, dose_results: Path | None = None, search_results: Path | None = None) -> int:
+def build(results: Path, out_dir: Path, dose_results: Path | None = None, search_results: Path | None = None,
+          real_search_results: Path | None = None) -> int:
     if not shutil.which("latexmk") or not shutil.which("pdflatex"):
         print(f"analysis.paper: no TeX engine (latexmk + pdflatex) on PATH; the generated parts are in {out_dir}. "
               f"Install: {TEX_INSTALL}", file=sys.stderr)
@@ -624,11 +785,14 @@ def main() -> None:
                         help="results directory of the positive control, if not --results")
     parser.add_argument("--search-results", type=Path, default=None,
                         help="results directory of the natural-collapse search (a section when it holds one)")
+    parser.add_argument("--real-search-results", type=Path, default=None,
+                        help="results directory of the real-model collapse search (a section when it holds one)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_claims(args.results, args.out_dir, args.dose_results, args.search_results)
+    write_claims(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results)
     search_section(args.search_results, args.out_dir)
-    sys.exit(build(args.results, args.out_dir, args.dose_results, args.search_results))
+    real_search_section(args.real_search_results, args.out_dir)
+    sys.exit(build(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results))
 
 
 if __name__ == "__main__":

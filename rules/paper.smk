@@ -8,6 +8,8 @@ def paper_inputs(wildcards=None):
         inputs += [f"{R}/tables/dose.md", f"{R}/tables/dose.csv", f"{R}/figures/dose_response.{FIGURES['format']}"]
     if config["search_results"]:
         inputs += [f"{config['search_results']}/tables/search_pilot.json"]
+    if config["real_search_results"]:
+        inputs += [f"{config['real_search_results']}/tables/search_pilot.json"]
     if config["dose_results"]:
         inputs += [f"{config['dose_results']}/tables/dose_runs.csv", f"{config['dose_results']}/figures/dose_response.png"]
     return inputs
@@ -27,5 +29,7 @@ rule paper:
     params:
         dose=f"--dose-results {config['dose_results']}" if config["dose_results"] else "",
         search=f"--search-results {config['search_results']}" if config["search_results"] else "",
+        real_search=f"--real-search-results {config['real_search_results']}" if config["real_search_results"] else "",
     shell:
-        "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} {params.search} > {log} 2>&1"
+        "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} {params.search} {params.real_search} "
+        "> {log} 2>&1"

@@ -149,8 +149,10 @@ def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
     proc = run_py(["-m", "analysis.study", "--results", str(res)])
     assert proc.returncode == 0, tail(proc)
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
-                   "--dose-results", str(DOSE)], timeout=600)
+                   "--dose-results", str(DOSE), "--search-results", str(REPO / "results/reference/collapse-cpu"),
+                   "--real-search-results", str(REPO / "results/reference/collapse-smollm2")], timeout=600)
     assert proc.returncode == 0, tail(proc)
+    assert (res / "paper/real_search_section.tex").exists()  # both search sections are on the page
     log = (res / "paper/main.log").read_text(errors="replace")
     overfull = [line for line in log.splitlines() if line.startswith(("Overfull \\hbox", "! "))]
     assert not overfull, "\n".join(overfull)
@@ -237,6 +239,40 @@ def test_the_search_section_says_plainly_when_nothing_collapsed(tmp_path):
 
 
 SEARCH = REPO / "results/reference/collapse-cpu"
+
+
+def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_probes(tmp_path):
+    """The SmolLM2 section: the paired pilot's rule and choice, the grid's questions as its rules answer
+    them (or that it has not run), every finished run, and -- where decode probes ran -- the trainer's own
+    decode-vs-recompute gap beside the trainer-vs-vLLM one, as numbers read from their summaries."""
+    import shutil
+
+    from analysis.paper import real_search_section
+
+    committed = _committed(REPO / "results/reference/collapse-smollm2")
+    res = tmp_path / "search"
+    shutil.copytree(committed, res)
+    pilot = json.loads((res / "tables/search_pilot.json").read_text())
+    text = real_search_section(res, tmp_path).read_text().replace("\\_", "_")
+    assert "\\section{A real pretrained model" in text and f"chosen: {pilot['chosen']}" in text
+    assert "tab:realpilot" in text and (tmp_path / "real_search_pilot.png").exists()
+    grid = res / "tables/search_grid.json"
+    if grid.exists():
+        questions = json.loads(grid.read_text())["questions"]["questions"]
+        assert "tab:realquestions" in text and all(q["answer"] in text for q in questions.values())
+    else:
+        assert "The grid has not run yet" in text
+    if not (res / "decode/none/summary.json").exists():  # a decode probe as rpa probe writes its summary
+        (res / "decode/none").mkdir(parents=True)
+        (res / "decode/none/summary.json").write_text(json.dumps({
+            "mean_abs_dlogp": 0.04, "trainer_batch_variance": {"batch_vs_single": {"mean_abs_dlogp": 0.03}},
+            "trainer_decode_variance": {"tokens": 100, "decode_vs_single": {"mean_abs_dlogp": 0.02,
+                                                                           "frac_bitwise_equal": 0.1}}}))
+    s = json.loads((res / "decode/none/summary.json").read_text())
+    own = s["trainer_decode_variance"]["decode_vs_single"]["mean_abs_dlogp"]
+    text = real_search_section(res, tmp_path).read_text()
+    assert "tab:realdecode" in text and f"{own:.3g}" in text and f"(ratio {own / s['mean_abs_dlogp']:.2f})" in text
+    assert real_search_section(None, tmp_path) is None and not (tmp_path / "real_search_section.tex").exists()
 
 
 def test_claims_state_the_findings_both_mismatch_measurements_and_every_commit(tmp_path):
