@@ -70,6 +70,13 @@ def rope_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
 
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`rope_rotate` in the layout of the ``rpa::rope`` op (and of the Triton kernel's ``rope``):
+    ``x`` ``[tokens, heads, head_dim]``, FP32 ``cos``/``sin`` ``[tokens, rotary_dim // 2]``, shared by
+    every head."""
+    return rope_rotate(x, cos[:, None], sin[:, None])
+
+
 def rope_rotate_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Gradient of :func:`rope_rotate` w.r.t. ``x``: the rotation by the opposite angle."""
     return rope_rotate(grad, cos, -sin)
