@@ -337,7 +337,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
                 try:
                     trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
                                           train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                                          callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines)
+                                          callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines,
+                                          task=task, eval_rows=eval_rows, eval_path=eval_path)
                     break
                 except Exception as err:  # noqa: BLE001 - only a lost race for the port is retried
                     if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS or world_size() > 1:
@@ -347,10 +348,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
                     os.environ["MASTER_PORT"] = "0"
                     _claim_rendezvous_port()
             timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
-            trainer.rpa_task, trainer.rpa_eval_rows, trainer.rpa_eval_path = task, eval_rows, eval_path
             with timings.phase("train"):
                 trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-            if cfg.eval_every and eval_rows and getattr(trainer, "rpa_last_eval_step", None) != cfg.steps:
+            if cfg.eval_every and eval_rows and trainer.rpa_last_eval_step != cfg.steps:
                 if cfg.rollouts == "vllm":
                     trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
                 trainer.rpa_evaluate(cfg.steps)

