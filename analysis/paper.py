@@ -380,16 +380,24 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
     return path
 
 
+def _search_pilot(search_results: Path | None, section: Path) -> dict | None:
+    """A search's pilot summary (``tables/search_pilot.json``); None -- and no ``section`` file left
+    over from an earlier build -- where no search ran."""
+    pilot_json = None if search_results is None else search_results / "tables" / "search_pilot.json"
+    if pilot_json is None or not pilot_json.exists():
+        section.unlink(missing_ok=True)
+        return None
+    return json.loads(pilot_json.read_text())
+
+
 def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     """``search_section.tex``: the natural-collapse search (pilot table, the pilot's choice, the
     grid's decision under the rule written in its config, or how much of the grid has run), from
     ``<search_results>/tables/search_*.json`` -- or nothing where no search ran."""
     path = out_dir / "search_section.tex"
-    pilot_json = None if search_results is None else search_results / "tables" / "search_pilot.json"
-    if pilot_json is None or not pilot_json.exists():
-        path.unlink(missing_ok=True)
+    pilot = _search_pilot(search_results, path)
+    if pilot is None:
         return None
-    pilot = json.loads(pilot_json.read_text())
     table = pd.read_csv(search_results / "tables" / "search_pilot.csv")
     cols = [c for c in ("model", "temperature", "warmup", "initial_reward", "step1_entropy", "step1_mismatch",
                         "eligible", "chosen") if c in table]
@@ -541,11 +549,9 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
     from ``<search_results>/tables/search_*.{json,csv}`` and ``<search_results>/decode/*/summary.json``;
     nothing where no search ran."""
     path = out_dir / "real_search_section.tex"
-    pilot_json = None if search_results is None else search_results / "tables" / "search_pilot.json"
-    if pilot_json is None or not pilot_json.exists():
-        path.unlink(missing_ok=True)
+    pilot = _search_pilot(search_results, path)
+    if pilot is None:
         return None
-    pilot = json.loads(pilot_json.read_text())
     tables, figures = search_results / "tables", search_results / "figures"
     table = pd.read_csv(tables / "search_pilot.csv")
     cols = [c for c in ("lr", "length", "updates", "control_gain", "control_stable", "reference_step1_mismatch",
