@@ -16,7 +16,9 @@ restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict re
 logs stay in ``results/``); per probe: ``summary.json`` and ``tokens.csv`` restricted to
 :data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models. An export
 replaces what it exports: the whole ``dose``/``study`` folder, or, for ``search``, each stage
-the results folder has a manifest of (the other stages' committed runs stay).
+the results folder has a manifest of (the other stages' committed runs stay), and its decode probes
+(``decode/<config>/``: ``summary.json``, ``tokens.csv`` with the trainer's own decode,
+:data:`DECODE_TOKEN_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "
                "fp16/loss_scale", "fp16/skipped_step")
 TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", "p_sampler", "logp_trainer_batch",
                  "entropy_trainer")
+DECODE_TOKEN_COLUMNS = (*TOKEN_COLUMNS, "logp_trainer_decode")
+"""A search's decode probes (``rpa probe --decode-sequences``, ``<results>/decode/<config>/``): the probe's
+columns and the trainer's own KV-cached decode."""
 TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),
           "study": ("study_collapse.csv", "study_collapse.md", "study_collapse.tex", "study_mismatch.csv",
                     "study_mismatch.md", "study_mismatch.tex", "study_sensitivity.csv", "study_sensitivity.md",
@@ -60,14 +65,14 @@ def copy_run(src: Path, dst: Path) -> None:
                                                    for r in lines))
 
 
-def copy_probe(src: Path, dst: Path) -> None:
+def copy_probe(src: Path, dst: Path, columns: tuple[str, ...] = TOKEN_COLUMNS) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / "summary.json", dst / "summary.json")
     with open(src / "tokens.csv") as f_in, open(dst / "tokens.csv", "w", newline="") as f_out:
-        writer = csv.DictWriter(f_out, fieldnames=list(TOKEN_COLUMNS))
+        writer = csv.DictWriter(f_out, fieldnames=list(columns))
         writer.writeheader()
         for row in csv.DictReader(f_in):
-            writer.writerow({k: row.get(k, "") for k in TOKEN_COLUMNS})  # older probes: no entropy column
+            writer.writerow({k: row.get(k, "") for k in columns})  # older probes: no entropy column
 
 
 def export_pipeline(results: Path, out: Path) -> int:
@@ -115,6 +120,7 @@ def main() -> None:
         raise SystemExit(f"export: no runs under {args.results / args.what}")
     if args.what == "search":  # stages run in sittings from different results folders: replace the exported ones only
         stale = [args.out / "search" / m.parent.name for m in (args.results / "search").glob("*/manifest.json")]
+        stale += [args.out / "decode"] if (args.results / "decode").is_dir() else []
     else:
         stale = [args.out / folder for folder in ((args.what, "probe") if args.what == "study" else (args.what,))]
     for folder in stale:
@@ -124,6 +130,8 @@ def main() -> None:
     if args.what == "search":
         for manifest in sorted((args.results / "search").glob("*/manifest.json")):
             shutil.copy2(manifest, args.out / manifest.relative_to(args.results))
+        for probe in sorted((args.results / "decode").glob("*/summary.json")):
+            copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results), DECODE_TOKEN_COLUMNS)
     if args.what == "study":
         shutil.copy2(args.results / "study/manifest.json", args.out / "study/manifest.json")
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
