@@ -455,10 +455,6 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
     return path
 
 
-def _fmt(value, spec: str = ".3g") -> str:
-    return "n/a" if value is None or (isinstance(value, float) and value != value) else format(value, spec)
-
-
 def _pilot_rule_text(rule: dict) -> str:
     """The paired pilot rule (``kind: paired``) in words, from the pilot summary's ``rule``."""
     return (f"a rung ({', '.join(rule['rung_axes'])}) is eligible when its {rule['control_arm']} run learns -- the mean "
@@ -477,9 +473,8 @@ def _questions_table(grid: dict) -> list[str]:
         auc = q.get("reward_auc") or {}
         rows.append({"question": name, "a": q["a"], "a collapsed": "{}/{}".format(*q["a_collapsed"]),
                      "b": q["b"], "b collapsed": "{}/{}".format(*q["b_collapsed"]),
-                     "Fisher p (one-sided)": _fmt(q.get("fisher_p")),
-                     "reward AUC a - b": _fmt(auc.get("mean_difference")),
-                     "seed pairs": auc.get("pairs", 0), "signed-rank p": _fmt(auc.get("signed_rank_p")),
+                     "Fisher p (one-sided)": q.get("fisher_p"), "reward AUC a - b": auc.get("mean_difference"),
+                     "seed pairs": auc.get("pairs", 0), "signed-rank p": auc.get("signed_rank_p"),
                      "answer": q["answer"]})
     alpha = (grid.get("questions") or {}).get("alpha")
     text = "; ".join(f"{name}: {q['question']}" for name, q in qs.items())
@@ -511,31 +506,23 @@ def _real_runs_table(csv: Path) -> list[str]:
                      "decoding against its own recompute)", "tab:realruns", placement="H")]
 
 
-def _decode_gaps(summary: Path) -> tuple[float, float] | None:
-    """(the trainer's decode vs its recompute, the trainer vs vLLM) from one decode probe's summary."""
-    if not summary.exists():
-        return None
-    s = json.loads(summary.read_text())
-    d = s.get("trainer_decode_variance")
-    return None if d is None else (d["decode_vs_single"]["mean_abs_dlogp"], s["mean_abs_dlogp"])
+def _decode_probes(decode: Path) -> dict[str, dict]:
+    """The summaries of a search's decode probes (``rpa probe --decode-sequences``), by configuration;
+    probes that did not decode are left out."""
+    found = {path.parent.name: json.loads(path.read_text()) for path in sorted(decode.glob("*/summary.json"))}
+    return {name: s for name, s in found.items() if s.get("trainer_decode_variance") is not None}
 
 
-def _decode_table(decode: Path) -> list[str]:
-    """The trainer's own decode vs recompute, beside its padded batch and vLLM (``rpa probe --decode-sequences``)."""
-    rows = []
-    for path in sorted(decode.glob("*/summary.json")):
-        s = json.loads(path.read_text())
-        d, b = s.get("trainer_decode_variance"), s.get("trainer_batch_variance") or {}
-        if d is None:
-            continue
-        rows.append({"configuration": path.parent.name,
-                     "trainer vs vLLM": _fmt(s["mean_abs_dlogp"]),
-                     "trainer decode vs its recompute": _fmt(d["decode_vs_single"]["mean_abs_dlogp"]),
-                     "bitwise equal": _fmt(d["decode_vs_single"]["frac_bitwise_equal"], ".2f"),
-                     "trainer padded batch vs its recompute": _fmt((b.get("batch_vs_single") or {}).get("mean_abs_dlogp")),
-                     "decoded tokens": d["tokens"]})
-    if not rows:
+def _decode_table(probes: dict[str, dict]) -> list[str]:
+    """The trainer's own decode vs recompute, beside its padded batch and vLLM."""
+    if not probes:
         return []
+    rows = [{"configuration": name, "trainer vs vLLM": s["mean_abs_dlogp"],
+             "trainer decode vs its recompute": s["trainer_decode_variance"]["decode_vs_single"]["mean_abs_dlogp"],
+             "bitwise equal": s["trainer_decode_variance"]["decode_vs_single"]["frac_bitwise_equal"],
+             "trainer padded batch vs its recompute":
+                 ((s.get("trainer_batch_variance") or {}).get("batch_vs_single") or {}).get("mean_abs_dlogp"),
+             "decoded tokens": s["trainer_decode_variance"]["tokens"]} for name, s in probes.items()]
     return [booktabs(pd.DataFrame(rows), "SmolLM2: the trainer disagrees with itself (mean |dlogp| on the same "
                      "sampled tokens: the trainer's one-forward recompute of each sequence against vLLM, against its "
                      "own KV-cached decoding, and against its padded training batch)", "tab:realdecode",
@@ -583,16 +570,16 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
         parts += _copied_figure(figures / "search_grid.png", out_dir, "real_", "The real-model grid: reward (top) and "
                                 "in-training mismatch (bottom, log scale) per logged step; line: mean over the finished "
                                 "seeds, band: their range.", "fig:realgrid")
-    decode = _decode_table(search_results / "decode")
-    stock = _decode_gaps(search_results / "decode" / "none" / "summary.json")
-    if decode and stock is not None:
-        own, engines = stock
+    probes = _decode_probes(search_results / "decode")
+    if "none" in probes:
+        stock = probes["none"]
+        own, engines = stock["trainer_decode_variance"]["decode_vs_single"]["mean_abs_dlogp"], stock["mean_abs_dlogp"]
         parts.append(escape(f"What the self-sampled control can show: it was meant to be mismatch-free BF16 (the "
                             f"trainer sampling its own rollouts). With stock BF16 numerics the trainer's KV-cached "
                             f"decoding of a sequence differs from its own recompute of it by a mean |dlogp| of "
                             f"{own:.3g}, the trainer from vLLM by {engines:.3g} (ratio {own / engines:.2f}): "
                             f"`none` against `self-sampled` compares two arms with that much mismatch each."))
-    parts += decode
+    parts += _decode_table(probes)
     write_text(path, "\n\n".join(parts) + "\n")
     return path
 
