@@ -126,7 +126,7 @@ def test_a_run_that_fails_while_its_engine_starts_writes_its_summary(tiny_dirs, 
         def __init__(self, *args, **kwargs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.80 GiB")
 
-    monkeypatch.setattr(trl_adapter, "make_trainer_class", lambda: EngineOOM)
+    monkeypatch.setattr(trl_adapter, "RpaGRPOTrainer", EngineOOM)
     monkeypatch.setattr(engine, "make_llm_env", lambda *args, **kwargs: None)  # no engine, no vLLM environment
     monkeypatch.setenv("MASTER_PORT", "29999")  # as a launcher sets it: the run claims none
     cfg = TrainConfig.from_dict({"model": str(tiny_dirs["qwen3"]), **BASE, "warm_start": {"steps": 0}})

@@ -324,9 +324,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
             probe_tokens = cfg.sync_check.probe_tokens
             probe = (probe * (probe_tokens // max(len(probe), 1) + 1))[:probe_tokens]
-            from rpa.train.trl_adapter import grpo_args, grpo_settings, make_trainer_class
+            from rpa.train.trl_adapter import RpaGRPOTrainer, grpo_args, grpo_settings
 
-            trainer_cls = make_trainer_class()
             args = grpo_args(cfg, out)
             settings = grpo_settings(args)
             trainer_init = time.perf_counter()
@@ -335,10 +334,11 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             callbacks = [_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})]
             for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
                 try:
-                    trainer = trainer_cls(model=model, reward_funcs=task.reward, args=args, timings=timings,
-                                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                                          callbacks=callbacks, rpa_config=cfg, probe_ids=probe, engines=engines,
-                                          task=task, eval_rows=eval_rows, eval_path=eval_path)
+                    trainer = RpaGRPOTrainer(model=model, reward_funcs=task.reward, args=args, timings=timings,
+                                             train_dataset=datasets.Dataset.from_list(rows),
+                                             processing_class=tokenizer, callbacks=callbacks, rpa_config=cfg,
+                                             probe_ids=probe, engines=engines, task=task, eval_rows=eval_rows,
+                                             eval_path=eval_path)
                     break
                 except Exception as err:  # noqa: BLE001 - only a lost race for the port is retried
                     if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS or world_size() > 1:

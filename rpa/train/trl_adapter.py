@@ -295,11 +295,6 @@ def tied_lm_head(model, names: list[str], dtype) -> list[tuple[str, Any]]:
     return [("lm_head.weight", model.get_input_embeddings().weight.detach().to(dtype))]
 
 
-def make_trainer_class():
-    """:class:`RpaGRPOTrainer` (where a run looks the class up: a test stands another in)."""
-    return RpaGRPOTrainer
-
-
 class RpaGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with what :mod:`rpa.train.grpo` describes added: the numerics of the
     configuration on the trainer's model and its KL reference, the colocated engine verified and its
