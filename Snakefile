@@ -31,7 +31,7 @@ if "models" not in config:
 
 try:
     validate(config, "experiments/schema/config.schema.yaml")  # also fills in the schema's defaults
-    check_config(config)
+    CELLS = check_config(config)  # the grids' cells by section, each run config validated once (rules/common.smk)
 except WorkflowError:  # one line naming the key, not Snakemake's schema-and-config dump
     sys.exit(f"rpa config: error: {schema_problem(config, 'experiments/schema/config.schema.yaml')}")
 except PipelineConfigError as err:  # one line per invalid entry

@@ -2,9 +2,9 @@
 
 import re
 
-from rpa.workflow.pipeline import (PipelineConfigError, attribution_job, diagnose_job, dose_init_config, dose_points,
+from rpa.workflow.pipeline import (PipelineConfigError, attribution_job, diagnose_job, dose_points,
                                    gguf_flags, gpu_shortfall, model_configs, model_kind,
-                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, study_groups, study_init_config,
+                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, study_groups,
                                    study_points, study_priorities, study_resources, tiny_flags, train_points)
 
 R = config["results"]
@@ -22,14 +22,16 @@ FIGURES = config["figures"]
 ENV = f"../envs/rpa-{config['env']}.yaml"
 DEVICE = config["device"]  # trainer side of parity / probe / diagnose
 GPU = config["gpus_per_job"]  # GPUs a parity / probe / diagnose job takes (0 on CPU)
-TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"] for p in train_points(config)} \
-    if config.get("train") else {}
-DOSE = {p["cell"]: p["config"] for p in dose_points(config)} if config.get("dose") else {}
-STUDY = {p["cell"]: p for p in study_points(config)} if config.get("study") else {}
-STUDY_GROUPS = study_groups(config) if config.get("study") else {}  # group -> its cells, one process each
+# CELLS (the Snakefile's check_config): every grid's cells, expanded and validated once
+TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"]
+         for p in train_points(config, CELLS["train"])} if config.get("train") else {}
+DOSE = {p["cell"]: p["config"] for p in dose_points(config, CELLS["dose"])} if config.get("dose") else {}
+DOSE_INIT = dict(CELLS["dose"][0].init.config) if CELLS["dose"] else None  # the one warm start of every dose cell
+STUDY = {p["cell"]: p for p in study_points(config, CELLS["study"])} if config.get("study") else {}
+STUDY_GROUPS = study_groups(config, CELLS["study"]) if config.get("study") else {}  # group -> its cells, one process each
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
 STUDY_PRIORITY = study_priorities(config, STUDY_GROUPS) if config.get("study") else {}
-SEARCH = {p["cell"]: p for p in search_points(config)} if config.get("search") else {}
+SEARCH = {p["cell"]: p for p in search_points(config, cells=CELLS["search"])} if config.get("search") else {}
 # a workstation lends its GPUs through Snakemake's gpu resource: a job needing more is refused now,
 # not started and left waiting for GPUs the machine does not have
 _SHORT = gpu_shortfall(config, getattr(workflow.global_resources.get("gpu"), "value", None))
@@ -65,8 +67,8 @@ def model_input(wildcards):
 # The study's runs start from a shared warm start per model (``study/<model>/init``) where the
 # run config has one; parity, probe and diagnose measure that checkpoint -- the policy that
 # trains -- not the random-initialised model it was warm-started from.
-STUDY_SHARED_INIT = [m for m in config["study"]["models"] if study_init_config(config, m) is not None] \
-    if config.get("study") else []
+STUDY_INITS = {c.labels["model"]: c.init for c in CELLS["study"]}  # model -> its shared warm start, or None
+STUDY_SHARED_INIT = [m for m, init in STUDY_INITS.items() if init is not None]
 
 
 def start_path(wildcards):

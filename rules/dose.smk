@@ -17,7 +17,7 @@ rule dose_init:
     params:
         out=f"{R}/dose/init",
         cfg=f"{R}/dose/init.yaml",
-        text=lambda wc: yaml_text(dose_init_config(config)),
+        text=lambda wc: yaml_text(DOSE_INIT),
     log:
         f"{R}/logs/dose/init.log",
     conda:

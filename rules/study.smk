@@ -62,7 +62,7 @@ rule study_init:
     params:
         cfg=lambda wc: f"{R}/study/{wc.model}/init.yaml",
         out=lambda wc: f"{R}/study/{wc.model}/init",
-        text=lambda wc: yaml_text(study_init_config(config, wc.model)),
+        text=lambda wc: yaml_text(dict(STUDY_INITS[wc.model].config)),
     log:
         f"{R}/logs/study/{{model}}/init.log",
     priority: lambda wc: STUDY_PRIORITY.get(wc.model, 0)

@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from rpa.workflow.pipeline import check_config, deep_merge, study_groups, study_points, study_resources, train_points
+from rpa.workflow.grid import deep_merge
+from rpa.workflow.pipeline import check_config, study_groups, study_points, study_resources, train_points
 from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 

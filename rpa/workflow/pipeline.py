@@ -16,6 +16,7 @@ from typing import Any
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
 from rpa.core.yamlfiles import YamlError, load_yaml
 from rpa.core.regions import RegionError, parse_regions, region_label
+from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, SharedWarmStart, expand
 
 
 class PipelineConfigError(ValueError):
@@ -251,8 +252,14 @@ def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
     return f"{where}: {error.message.splitlines()[0][:200]}"
 
 
-def check_config(config: dict[str, Any]) -> None:
-    """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``."""
+GRID_SECTIONS = ("train", "dose", "study", "search")
+"""The config sections that are grids of training runs (:mod:`rpa.workflow.grid`)."""
+
+
+def check_config(config: dict[str, Any]) -> dict[str, list[Cell]]:
+    """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``; else return
+    the cells of its grids by section (each cell's run config validated, so the workflow uses
+    them as they are instead of expanding and validating the grids again)."""
     problems: list[str] = []
     if not isinstance(config.get("results"), str) or not config["results"].strip():
         problems.append(f"results: must be a directory path (a string), got {config.get('results')!r}")
@@ -305,16 +312,15 @@ def check_config(config: dict[str, Any]) -> None:
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
-    if config.get("train"):
-        problems += _train_problems(config)
-    if config.get("dose"):
-        problems += _dose_problems(config)
-    if config.get("study"):
-        problems += _study_problems(config)
-    if config.get("search"):
-        problems += _search_problems(config)
+    checks = {"train": _train_problems, "dose": _dose_problems, "study": _study_problems, "search": _search_problems}
+    cells: dict[str, list[Cell]] = {section: [] for section in GRID_SECTIONS}
+    for section in GRID_SECTIONS:
+        if config.get(section):
+            found, cells[section] = checks[section](config)
+            problems += found
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
+    return cells
 
 
 def _valid_numerics(numerics: dict[str, Any]) -> bool:
@@ -337,15 +343,6 @@ def tiny_flags(spec: dict[str, Any]) -> str:
     return shlex.join(flags)
 
 
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``override`` on top; nested mappings (``numerics``, ``task``, ...) merge
-    key by key, so a grid setting can change one numerics knob and keep the others."""
-    out = dict(base)
-    for key, value in (override or {}).items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def model_location(config: dict[str, Any], name: str) -> str:
     """Where a model of ``models`` is loaded from: built or converted here (``tiny``, ``gguf``), or
     its ``path``."""
@@ -353,47 +350,52 @@ def model_location(config: dict[str, Any], name: str) -> str:
     return spec["path"] if model_kind(spec) == "path" else f"{config['results']}/models/{name}"
 
 
-def train_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+def _located_models(config: dict[str, Any]) -> dict[str, str]:
+    """Every name of ``models`` -> where it loads from (a grid's ``model: NAME``)."""
+    return {name: model_location(config, name) for name in config.get("models") or {}}
+
+
+def train_grid(config: dict[str, Any]) -> Grid:
+    """The GRPO grid of one model: settings x region sets x seeds, ``<model>/<setting>/<regions>/seed<N>``."""
+    train = config["train"]
+    return Grid(name="train", base=load_yaml(train["base"]), overrides={"model": train["model"]},
+                axes=(Axis("setting", train["settings"]),
+                      Axis("regions", {region_label(r): {"numerics": {"regions": r}} for r in train["regions"]})),
+                seeds=tuple(train["seeds"]), models=_located_models(config), prefix=(train["model"],))
+
+
+def train_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
     """Every run of the GRPO grid: ``model``, ``setting``, ``regions`` (label), ``seed`` and its
     full run config (base <- setting <- regions, merged key by key)."""
-    import yaml
-
-    train = config["train"]
-    base = load_yaml(train["base"])
-    points = []
-    for setting, overrides in train["settings"].items():
-        for regions in train["regions"]:
-            for seed in train["seeds"]:
-                run = deep_merge(deep_merge(base, overrides), {"numerics": {"regions": regions}})
-                run.update(model=model_location(config, train["model"]), seed=seed)
-                points.append({"model": train["model"], "setting": setting, "regions": region_label(regions),
-                               "seed": seed, "config": run})
-    return points
+    return [{"model": c.model, "setting": c.labels["setting"], "regions": c.labels["regions"], "seed": c.seed,
+             "config": c.config} for c in (cells if cells is not None else expand(train_grid(config)))]
 
 
-def _invalid_runs(points: list[dict[str, Any]], where) -> list[str]:
-    """A problem line (``where(point): error``) for every grid point whose run config is invalid."""
-    from rpa.train.config import TrainConfig, TrainConfigError
+def _invalid_runs(cells: list[Cell], where) -> list[str]:
+    """A problem line (``where(cell): error``) for every cell whose run config is invalid (each
+    cell's :class:`~rpa.train.config.TrainConfig` is built here, once, and kept)."""
+    from rpa.train.config import TrainConfigError
 
     failing: dict[str, list[str]] = {}  # one line per distinct error, not one per cell that repeats it
-    for p in points:
+    for c in cells:
         try:
-            TrainConfig.from_dict(p["config"])
+            c.run
         except TrainConfigError as err:
-            failing.setdefault(str(err), []).append(where(p))
-    return [f"{cells[0]}{f' and {len(cells) - 1} more' if len(cells) > 1 else ''}: {err}"
-            for err, cells in failing.items()]
+            failing.setdefault(str(err), []).append(where(c))
+    return [f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {err}"
+            for err, names in failing.items()]
 
 
-def _train_problems(config: dict[str, Any]) -> list[str]:
+def _train_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     train = config["train"]
     if train["model"] not in config.get("models", {}):
-        return [f"train.model: {train['model']!r} is not a name in models"]
+        return [f"train.model: {train['model']!r} is not a name in models"], []
     try:
-        points = train_points(config)
+        cells = expand(train_grid(config))
     except (OSError, RegionError, YamlError) as err:
-        return [f"train: {err}"]
-    return _invalid_runs(points, lambda p: f"train.settings.{p['setting']} (regions {p['regions']}, seed {p['seed']})")
+        return [f"train: {err}"], []
+    return _invalid_runs(cells, lambda c: f"train.settings.{c.labels['setting']} (regions {c.labels['regions']}, "
+                                          f"seed {c.seed})"), cells
 
 
 # ------------------------------------------------------------------ the dose-response grid
@@ -404,121 +406,118 @@ def dose_label(dose) -> str:
     return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
 
 
-def dose_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+def dose_grid(config: dict[str, Any]) -> Grid:
+    """The positive control: arms (the sampler-only doses on the base's numerics, then the x-axis
+    anchors, each a numerics configuration in full) x IS correction x old-logprob source x seeds,
+    ``<arm>/<is_correction>-<old_logprobs>/seed<N>``, every cell from one shared warm start
+    (``dose/init``). Left out: an IS correction with the sampler's old logprobs (the correction
+    would be applied twice: TrainConfig refuses it), and the anchors with a correction (an
+    anchor runs uncorrected)."""
+    dose = config["dose"]
+    base = load_yaml(dose["base"])
+    doses = {dose_label(d): {"numerics": {
+        **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
+        **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}} for d in dose["doses"]}
+    anchors = {name: {"numerics": numerics} for name, numerics in (dose.get("anchors") or {}).items()}
+    corrections = list(dict.fromkeys([*dose["is_corrections"], "off"]))
+    applied = tuple(c for c in corrections if c != "off")
+    exclude = [{"is_correction": applied, "old_logprobs": ("sampler",)}, {"arm": tuple(anchors), "is_correction": applied}]
+    if "off" not in dose["is_corrections"]:  # listed for the anchors only
+        exclude.append({"arm": tuple(doses), "is_correction": ("off",)})
+    return Grid(name="dose", base=base, overrides={"model": dose["model"]},
+                axes=(Axis("arm", {**doses, **anchors}), Axis("is_correction", {c: {"is_correction": c} for c in corrections}),
+                      Axis("old_logprobs", {o: {"old_logprobs": o} for o in dose["old_logprobs"]})),
+                seeds=tuple(dose["seeds"]), exclude=tuple(exclude), models=_located_models(config),
+                path="{arm}/{is_correction}-{old_logprobs}", replaced=("numerics",),
+                warm_start=SharedWarmStart(level=BASE, directory=f"{config['results']}/dose/init", only_with_steps=False))
+
+
+def dose_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
     """Every cell of the positive control: ``cell`` (its directory under ``dose/``), ``arm``
     (dose or anchor label), ``dose`` (mantissa bits or None), ``is_correction``,
     ``old_logprobs``, ``seed`` and the full run config."""
-    import yaml
-
-    dose = config["dose"]
-    base = load_yaml(dose["base"])
-    model = f"{config['results']}/dose/init"
-    common = {**base, "model": model, "warm_start": {**(base.get("warm_start") or {}), "steps": 0}}
-    arms = [(dose_label(d), None if d in (None, "none") else int(d),
-             {**(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
-              **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})},
-             dose["is_corrections"]) for d in dose["doses"]]
-    arms += [(name, None, numerics, ["off"]) for name, numerics in (dose.get("anchors") or {}).items()]
-    points = []
-    for arm, bits, numerics, corrections in arms:
-        for correction in corrections:
-            for old in dose["old_logprobs"]:
-                if correction != "off" and old == "sampler":
-                    continue  # not a valid run: the IS correction would be applied twice (TrainConfig refuses it)
-                for seed in dose["seeds"]:
-                    run = {**common, "seed": seed, "numerics": numerics, "is_correction": correction,
-                           "old_logprobs": old}
-                    points.append({"cell": f"{arm}/{correction}-{old}/seed{seed}", "arm": arm, "dose": bits,
-                                   "is_correction": correction, "old_logprobs": old, "seed": seed, "config": run})
-    return points
+    bits = {dose_label(d): None if d in (None, "none") else int(d) for d in config["dose"]["doses"]}
+    return [{"cell": c.name, "arm": c.labels["arm"], "dose": bits.get(c.labels["arm"]),
+             "is_correction": c.labels["is_correction"], "old_logprobs": c.labels["old_logprobs"], "seed": c.seed,
+             "config": c.config} for c in (cells if cells is not None else expand(dose_grid(config)))]
 
 
-def dose_init_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The run config whose warm start every cell shares (``rpa warm-start``)."""
-    import yaml
-
-    dose = config["dose"]
-    base = load_yaml(dose["base"])
-    return {**base, "model": model_location(config, dose["model"])}
-
-
-def _dose_problems(config: dict[str, Any]) -> list[str]:
+def _dose_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     from rpa.train.config import TrainConfig, TrainConfigError
 
     dose = config["dose"]
     if dose["model"] not in config.get("models", {}):
-        return [f"dose.model: {dose['model']!r} is not a name in models"]
+        return [f"dose.model: {dose['model']!r} is not a name in models"], []
+    arms = [dose_label(d) for d in dose["doses"]] + list(dose.get("anchors") or {})
+    if len(set(arms)) != len(arms):
+        return ["dose: two cells share a directory (a dose repeated, or an anchor named like a dose)"], []
     try:
-        points = dose_points(config)
-        TrainConfig.from_dict(dose_init_config(config))
+        cells = expand(dose_grid(config))
+        for init in {c.init.dir: c.init for c in cells if c.init}.values():
+            TrainConfig.from_dict(dict(init.config))
     except (OSError, TrainConfigError, ValueError) as err:
-        return [f"dose: {err}"]
-    problems = _invalid_runs(points, lambda p: f"dose cell {p['cell']}")
-    cells = [p["cell"] for p in points]
-    if len(set(cells)) != len(cells):
-        problems.append("dose: two cells share a directory (a dose repeated, or an anchor named like a dose)")
-    return problems
+        return [f"dose: {err}"], []
+    return _invalid_runs(cells, lambda c: f"dose cell {c.name}"), cells
 
 
 # ------------------------------------------------------------------------------ the study
 
 
-def study_points(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every cell of the study: ``cell`` (``<model>/<arm>/seed<N>``, its directory under
-    ``study/``), ``model``, ``arm``, ``seed`` and the full run config: the base, then the
-    model's size settings, then the arm's overrides, merged key by key. Models with a shared
-    warm start (``warm_start.steps`` > 0) start from ``study/<model>/init``."""
-    import yaml
-
+def study_grid(config: dict[str, Any]) -> Grid:
+    """The study: models (the base with each size's settings) x arms x seeds,
+    ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only on that model. Models
+    with a shared warm start (``warm_start.steps`` > 0) start from ``study/<model>/init``."""
     study = config["study"]
-    base = load_yaml(study["base"])
-    points = []
+    sizes, own = study.get("sizes") or {}, study.get("size_arms") or {}
+    arms = {name: {} for name in study_arm_names(study)}
     for model in study["models"]:
-        sized = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
-        shared_init = (sized.get("warm_start") or {}).get("steps", 0) > 0
-        for arm, overrides in study_arms(study, model).items():
-            for seed in study["seeds"]:
-                run = deep_merge(sized, overrides or {})
-                run.update(seed=seed, model=f"{config['results']}/study/{model}/init" if shared_init
-                           else model_location(config, model))
-                if shared_init:
-                    run["warm_start"] = {**run["warm_start"], "steps": 0}
-                points.append({"cell": f"{model}/{arm}/seed{seed}", "model": model, "arm": arm, "seed": seed,
-                               "config": run})
-    return points
+        arms.update(study_arms(study, model))
+    owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})} for arm in arms if arm not in study["arms"]}
+    exclude = tuple({"model": tuple(m for m in study["models"] if m not in models), "arm": (arm,)}
+                    for arm, models in owners.items())
+    return Grid(name="study", base=load_yaml(study["base"]),
+                axes=(Axis("model", {m: {**(sizes.get(m) or {}), "model": m} for m in study["models"]}),
+                      Axis("arm", {arm: overrides or {} for arm, overrides in arms.items()})),
+                seeds=tuple(study["seeds"]), exclude=exclude, models=_located_models(config),
+                warm_start=SharedWarmStart(level="model", directory=f"{config['results']}/study/{{model}}/init"))
 
 
-def study_groups(config: dict[str, Any]) -> dict[str, list[str]]:
+def study_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
+    """Every cell of the study (:func:`study_grid`): ``cell`` (``<model>/<arm>/seed<N>``, its
+    directory under ``study/``), ``model``, ``arm``, ``seed`` and the full run config: the base,
+    then the model's size settings, then the arm's overrides, merged key by key."""
+    return [{"cell": c.name, "model": c.labels["model"], "arm": c.labels["arm"], "seed": c.seed, "config": c.config}
+            for c in (cells if cells is not None else expand(study_grid(config)))]
+
+
+def study_groups(config: dict[str, Any], cells: list[Cell] | None = None) -> dict[str, list[str]]:
     """The study's cells by process, one ``rpa train`` each (sharing the imports and, where the
     engine would be the same, the vLLM engine): per model, up to ``study.arms_per_process`` arms
     whose sampler side is the same (the plugin's region set and perturbation are fixed per process:
     :attr:`~rpa.core.numerics_config.NumericsConfig.sampler_process_key`), in the config's order,
     times the seeds in chunks of ``study.runs_per_process``; a group's runs arm by arm. Named
     ``<model>/<arm>[+<arm>...]/seed<N>[+<N>...]`` (``mini-xs/none/seed0+1+2``; a group of one is
-    its cell's name)."""
-    from rpa.train.config import TrainConfig
-
+    its cell's name). ``cells``: the study's, where already expanded."""
     study = config["study"]
     seeds_per, arms_per = int(study.get("runs_per_process", 1)), int(study.get("arms_per_process", 1))
-    by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for p in study_points(config):
-        by_arm.setdefault((p["model"], p["arm"]), []).append(p)
-    by_side: dict[tuple[str, Any], list[list[dict[str, Any]]]] = {}  # a model's arms by sampler side
-    for (model, _), points in by_arm.items():
-        side = TrainConfig.from_dict(points[0]["config"]).numerics.sampler_process_key
-        by_side.setdefault((model, side), []).append(points)
+    by_arm: dict[tuple[str, str], list[Cell]] = {}
+    for c in cells if cells is not None else expand(study_grid(config)):
+        by_arm.setdefault((c.labels["model"], c.labels["arm"]), []).append(c)
+    by_side: dict[tuple[str, Any], list[list[Cell]]] = {}  # a model's arms by sampler side
+    for (model, _), arm_cells in by_arm.items():
+        by_side.setdefault((model, arm_cells[0].run.numerics.sampler_process_key), []).append(arm_cells)
     groups: dict[str, list[str]] = {}
     for (model, _), arms in by_side.items():
         for a in range(0, len(arms), arms_per):
             together = arms[a:a + arms_per]
             for i in range(0, len(together[0]), seeds_per):
-                chunks = [points[i:i + seeds_per] for points in together]
-                name = (f"{model}/" + "+".join(c[0]["arm"] for c in chunks) + "/seed"
-                        + "+".join(str(p["seed"]) for p in chunks[0]))
+                chunks = [arm_cells[i:i + seeds_per] for arm_cells in together]
+                name = (f"{model}/" + "+".join(chunk[0].labels["arm"] for chunk in chunks) + "/seed"
+                        + "+".join(str(c.seed) for c in chunks[0]))
                 if name in groups:
                     raise ValueError(f"study: two process groups are named {name!r} (an arm named like "
                                      f"arms joined by '+')")
-                groups[name] = [p["cell"] for c in chunks for p in c]
+                groups[name] = [c.name for chunk in chunks for c in chunk]
     return groups
 
 
@@ -547,17 +546,6 @@ def study_arm_names(study: dict[str, Any]) -> list[str]:
     for arms in (study.get("size_arms") or {}).values():
         names += [a for a in (arms or {}) if a not in names]
     return names
-
-
-def study_init_config(config: dict[str, Any], model: str) -> dict[str, Any] | None:
-    """The run config whose warm start the cells of ``model`` share, or None (no warm start)."""
-    import yaml
-
-    study = config["study"]
-    sized = deep_merge(load_yaml(study["base"]), (study.get("sizes") or {}).get(model) or {})
-    if (sized.get("warm_start") or {}).get("steps", 0) <= 0:
-        return None
-    return {**sized, "model": model_location(config, model)}
 
 
 def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[str, Any]:
@@ -592,32 +580,31 @@ BYTES_PER_PARAMETER = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one weight as vLLM holds it, by ``numerics.precision``."""
 
 
-def study_memory_problems(config: dict[str, Any], points: list[dict[str, Any]]) -> list[str]:
+def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str]:
     """One line per model and arm whose colocated vLLM cannot hold its weights in its share of one
     GPU: ``study.parameters`` x the precision's bytes (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel
     ranks, against ``vllm_gpu_memory_utilization`` x ``study.gpu_memory_gb`` (the share vLLM takes;
     its KV cache needs room on top). Nothing is checked where either figure is missing."""
-    from rpa.train.config import TrainConfig
-
     study = config["study"]
     memory, sizes = study.get("gpu_memory_gb"), study.get("parameters") or {}
     if not memory:
         return []
     problems, seen = [], set()
-    for p in points:
-        if (p["model"], p["arm"]) in seen or p["model"] not in sizes:
+    for c in cells:
+        model, arm = c.labels["model"], c.labels["arm"]
+        if (model, arm) in seen or model not in sizes:
             continue
-        seen.add((p["model"], p["arm"]))
-        cfg = TrainConfig.from_dict(p["config"])
+        seen.add((model, arm))
+        cfg = c.run
         if cfg.rollouts != "vllm":  # no engine: the trainer samples
             continue
-        precision, count = cfg.numerics.precision, sizes[p["model"]]
+        precision, count = cfg.numerics.precision, sizes[model]
         weights = count * BYTES_PER_PARAMETER[precision] / cfg.vllm_tensor_parallel_size / 1e9
         share = cfg.vllm_gpu_memory_utilization * memory
         if weights >= share:
             split = f" / {cfg.vllm_tensor_parallel_size} ranks" if cfg.vllm_tensor_parallel_size > 1 else ""
             problems.append(
-                f"study.arms.{p['arm']} ({p['model']}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
+                f"study.arms.{arm} ({model}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
                 f"parameters x {BYTES_PER_PARAMETER[precision]} bytes{split}), do not fit its share of one "
                 f"{memory:g} GB GPU (vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization:g}: "
                 f"{share:.1f} GB); raise the arm's vllm_gpu_memory_utilization or run it on smaller sizes only "
@@ -625,7 +612,7 @@ def study_memory_problems(config: dict[str, Any], points: list[dict[str, Any]]) 
     return problems
 
 
-def _study_problems(config: dict[str, Any]) -> list[str]:
+def _study_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     from rpa.train.config import TrainConfig, TrainConfigError
 
     study = config["study"]
@@ -648,47 +635,54 @@ def _study_problems(config: dict[str, Any]) -> list[str]:
                  if m not in study["models"]]
     problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
                  (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
+    first: dict[str, tuple[str, Any]] = {}  # a per-size arm is one arm of the grid: the same overrides on each size
+    for m, arms in (study.get("size_arms") or {}).items():
+        for a, overrides in (arms or {}).items():
+            if a in first and (overrides or {}) != first[a][1]:
+                problems.append(f"study.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
+                                f"name the two arms differently")
+            first.setdefault(a, (m, overrides or {}))
     for knob in ("runs_per_process", "arms_per_process"):
         if int(study.get(knob, 1)) > 1:
             problems += [f"study.{knob}: {study[knob]}, but {m!r} launches with "
                          f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
                          for m in study["models"] if study_resources(config, m)["launch"] != "single"]
     if problems:
-        return problems
+        return problems, []
     try:
-        points = study_points(config)
-        for model in study["models"]:
-            init = study_init_config(config, model)
+        cells = expand(study_grid(config))
+        inits = {c.labels["model"]: c.init for c in cells}  # a model's cells share one warm start, or none
+        for init in inits.values():
             if init is not None:
-                TrainConfig.from_dict(init)
+                TrainConfig.from_dict(dict(init.config))
     except (OSError, TrainConfigError, ValueError) as err:
-        return [f"study: {err}"]
-    invalid = _invalid_runs(points, lambda p: f"study.arms.{p['arm']} ({p['model']}, seed {p['seed']})")
+        return [f"study: {err}"], []
+    invalid = _invalid_runs(cells, lambda c: f"study.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})")
     problems += invalid
     if not invalid:
-        problems += study_memory_problems(config, points)
+        problems += study_memory_problems(config, cells)
     if not invalid:  # the groups read every run's numerics
         try:
-            study_groups(config)
+            study_groups(config, cells)
         except ValueError as err:
             problems.append(str(err))
     # the probe measures the engine training samples from: eager and compiled vLLM round differently
     probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
     for model in study["models"]:
-        modes = {not bool(p["config"].get("vllm_enforce_eager", False)) for p in points if p["model"] == model}
+        modes = {not bool(c.config.get("vllm_enforce_eager", False)) for c in cells if c.labels["model"] == model}
         if modes and modes != {probe_compiled}:
             train_mode = {frozenset({True}): "compiled", frozenset({False}): "eager"}.get(frozenset(modes),
                                                                                         "both eager and compiled")
             problems.append(f"probe.compiled: {str(probe_compiled).lower()}, but the study's runs of {model!r} "
                             f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
                             f"engine mode training uses")
-    shared_init = any(study_init_config(config, m) is not None for m in study["models"])
+    shared_init = any(init is not None for init in inits.values())
     for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
         if shared and shared_init:
             problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
                             f"model fixes for every arm; set it in the base or study.sizes")
-    return problems
+    return problems, cells
 
 
 # ------------------------------------------------------------------ the natural-collapse search
@@ -699,77 +693,57 @@ the decision rule written in the config, then the ablation (if it collapsed) or 
 lever (if it did not)."""
 
 
-def search_points(config: dict[str, Any], stage: str | None = None) -> list[dict[str, Any]]:
-    """Every cell of the natural-collapse search (``search.stages``): ``cell``
-    (``<stage>/<label>/.../seed<N>``, its directory under ``search/``), ``stage``, ``labels``
-    (axis -> label), ``seed``, ``model`` (the name in ``models``) and the full run config: the
-    base, the stage's ``overrides``, then one value of every axis in the order written, merged
-    key by key. An override ``model: NAME`` names a model of ``models``."""
-    import itertools
-
-    import yaml
-
+def search_grids(config: dict[str, Any]) -> list[Grid]:
+    """Each stage of the natural-collapse search (``search.stages``) as a grid: the base, the
+    stage's ``overrides``, then one value of every axis in the order written; cells
+    ``<stage>/<label>/.../seed<N>``. An override ``model: NAME`` names a model of ``models``. With
+    ``shared_warm_start``, every arm of a seed that changes none of what a warm start reads starts
+    from one ``rpa warm-start`` (``search/init/<model>-ws<steps>-seed<N>-<digest>``), as it would
+    from its own identical warm start, without repeating it."""
     search = config["search"]
     base = load_yaml(search["base"])
-    points = []
-    for name, stage_cfg in (search.get("stages") or {}).items():
-        if stage is not None and name != stage:
-            continue
-        axes = list((stage_cfg.get("axes") or {}).items())
-        choices = [list(values.items()) for _, values in axes]
-        for combo in itertools.product(*choices):
-            run = deep_merge(base, stage_cfg.get("overrides") or {})
-            for _, overrides in combo:
-                run = deep_merge(run, overrides or {})
-            model = run.get("model")
-            labels = {axis: label for (axis, _), (label, _) in zip(axes, combo)}
-            for seed in stage_cfg["seeds"]:
-                cell = "/".join([name, *labels.values(), f"seed{seed}"])
-                cfg = {**run, "seed": seed,
-                       "model": model_location(config, model) if model in config["models"] else model}
-                point = {"cell": cell, "stage": name, "labels": labels, "seed": seed, "model": model,
-                         "init": None, "config": cfg}
-                if stage_cfg.get("shared_warm_start") and (cfg.get("warm_start") or {}).get("steps", 0) > 0:
-                    point["init"] = search_init(config, cfg)
-                    point["config"] = {**cfg, "model": point["init"]["dir"],
-                                       "warm_start": {**cfg["warm_start"], "steps": 0}}
-                points.append(point)
-    return points
+    shared = SharedWarmStart(level=CELL, directory=f"{config['results']}/search/init/"
+                                                   "{model_name}-ws{steps}-seed{seed}-{digest}")
+    return [Grid(name=f"search/{name}", base=base, overrides=stage.get("overrides") or {},
+                 axes=tuple(Axis(axis, values) for axis, values in (stage.get("axes") or {}).items()),
+                 seeds=tuple(stage["seeds"]), models=_located_models(config), prefix=(name,),
+                 warm_start=shared if stage.get("shared_warm_start") else None)
+            for name, stage in (search.get("stages") or {}).items()]
 
 
-def search_init(config: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """The shared warm start of a search cell: one ``rpa warm-start`` per model, task, warm-start
-    settings, prompt length and seed (the warm start depends on nothing else), in
-    ``search/init/<model>-ws<steps>-seed<N>-<hash>``; every arm of a seed starts from it, as it
-    would from its own identical warm start, without repeating it."""
-    import hashlib
-    import json
+def search_points(config: dict[str, Any], stage: str | None = None,
+                  cells: list[Cell] | None = None) -> list[dict[str, Any]]:
+    """Every cell of the search (of ``stage`` only, if given): ``cell`` (its directory under
+    ``search/``), ``stage``, ``labels`` (axis -> label), ``seed``, ``model`` (as the config names
+    it), ``init`` (its shared warm start: ``name``, ``dir``, ``config``; or None) and the full run
+    config."""
+    if cells is None:
+        cells = [c for grid in search_grids(config) for c in expand(grid)]
+    return [{"cell": c.name, "stage": c.name.split("/")[0], "labels": dict(c.labels), "seed": c.seed,
+             "model": c.model, "init": None if c.init is None else
+             {"name": c.init.name, "dir": c.init.dir, "config": dict(c.init.config)}, "config": c.config}
+            for c in cells if stage is None or c.name.split("/")[0] == stage]
 
-    keys = ("model", "task", "warm_start", "max_prompt_length", "seed")
-    init_cfg = {**run}
-    digest = hashlib.sha1(json.dumps({k: run.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
-    name = f"{Path(str(run['model'])).name}-ws{run['warm_start']['steps']}-seed{run['seed']}-{digest}"
-    return {"name": name, "dir": f"{config['results']}/search/init/{name}", "config": init_cfg}
 
-
-def _search_problems(config: dict[str, Any]) -> list[str]:
+def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     search = config["search"]
     problems = [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
                 for s in (search.get("stages") or {}) if s not in SEARCH_STAGES]
     if problems:
-        return problems
+        return problems, []
     try:
-        points = search_points(config)
+        cells = [c for grid in search_grids(config) for c in expand(grid)]
     except (OSError, ValueError) as err:
-        return [f"search: {err}"]
-    problems += [f"search cell {p['cell']}: model {p['model']!r} is not a name in models" for p in points
-                 if p["model"] not in config["models"]]
+        return [f"search: {err}"], []
+    problems += [f"search cell {c.name}: model {c.model!r} is not a name in models" for c in cells
+                 if c.model not in config["models"]]
     if problems:
-        return sorted(set(problems))
-    problems += _invalid_runs(points, lambda p: f"search cell {p['cell']}")
-    cells = [p["cell"] for p in points]
-    if len(set(cells)) != len(cells):
+        return sorted(set(problems)), []
+    problems += _invalid_runs(cells, lambda c: f"search cell {c.name}")
+    names = [c.name for c in cells]
+    if len(set(names)) != len(names):
         problems.append("search: two cells share a directory (repeated labels)")
+    points = search_points(config, cells=cells)
     rule = search.get("decision") or {}
     arms = {label for p in points if p["stage"] == "grid" for label in [p["labels"].get(rule.get("arm_axis", ""))]}
     for key in ("reference_arm", "control_arm"):
@@ -779,4 +753,4 @@ def _search_problems(config: dict[str, Any]) -> list[str]:
     for name, q in (rule.get("questions") or {}).items() if "grid" in (search.get("stages") or {}) else ():
         problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
-    return problems
+    return problems, cells
