@@ -8,7 +8,8 @@
 #   snakemake collapse_pilot --cores 2 --configfile experiments/collapse-cpu.yaml  # natural-collapse search
 #   (a --configfile replaces experiments/config.yaml; it is not merged into it)
 #
-# Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk).
+# Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk); the runs
+# of every grid (GRPO grid, positive control, study, collapse search) in rules/grids.smk.
 # The config is validated twice before any job starts: its shape against
 # experiments/schema/config.schema.yaml (which also holds every default), its meaning by
 # rpa.workflow.pipeline.check_config.
@@ -61,4 +62,5 @@ include: "rules/train.smk"
 include: "rules/dose.smk"
 include: "rules/study.smk"
 include: "rules/search.smk"
+include: "rules/grids.smk"
 include: "rules/paper.smk"

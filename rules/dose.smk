@@ -9,58 +9,6 @@ rule dose_response:
         f"{R}/figures/dose_response.{FIGURES['format']}",
 
 
-rule dose_init:
-    input:
-        lambda wc: model_files(config["dose"]["model"]),
-    output:
-        f"{R}/dose/init/config.json",
-    params:
-        out=f"{R}/dose/init",
-        cfg=f"{R}/dose/init.yaml",
-        text=lambda wc: yaml_text(DOSE_INIT),
-    log:
-        f"{R}/logs/dose/init.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=4000,
-        runtime=30,
-    shell:
-        WARM_START
-
-
-localrules:
-    dose_config,
-
-
-rule dose_config:
-    output:
-        f"{R}/dose/{{cell}}/run.yaml",
-    params:
-        text=lambda wc: yaml_text(DOSE[wc.cell]),
-    shell:
-        WRITE_TEXT
-
-
-rule dose_train:
-    input:
-        cfg=f"{R}/dose/{{cell}}/run.yaml",
-        init=f"{R}/dose/init/config.json",
-    output:
-        f"{R}/dose/{{cell}}/summary.json",  # only the summary: a failed job's run directory must survive to resume
-    params:
-        out=lambda wc: f"{R}/dose/{wc.cell}",
-    log:
-        f"{R}/logs/dose/{{cell}}.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=6000,
-        runtime=60,
-    shell:
-        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1"
-
-
 rule dose_aggregate:
     input:
         [f"{R}/dose/{cell}/summary.json" for cell in DOSE],

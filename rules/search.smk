@@ -37,7 +37,6 @@ def search_manifest_text(stage):
 
 
 localrules:
-    search_config,
     search_manifest,
 
 
@@ -52,82 +51,6 @@ rule search_manifest:
         text=lambda wc: search_manifest_text(wc.stage) + "\n",
     shell:
         WRITE_TEXT
-
-
-rule search_config:
-    output:
-        f"{R}/search/{{cell}}/run.yaml",
-    params:
-        text=lambda wc: yaml_text(SEARCH[wc.cell]["config"]),
-    shell:
-        WRITE_TEXT
-
-
-SEARCH_INITS = {p["init"]["name"]: p for p in SEARCH.values() if p["init"]}
-
-
-def search_resources(cell):
-    """A run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of its
-    labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
-    point = SEARCH[cell]
-    res = config["search"]["stages"][point["stage"]].get("resources") or {}
-    by_label = res.get("label_mem_mb", {})
-    labelled = [by_label[v] for v in point["labels"].values() if v in by_label]
-    return {"mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
-            "runtime": res.get("runtime", 120)}
-
-
-def search_train_input(wildcards):
-    """The cell's starting checkpoint, as ``ancient`` input: a finished run (it has its summary)
-    is not made stale by a warm start that is missing or rebuilt (deterministic: the same
-    checkpoint), so a grid goes on from committed runs copied into place; and the set of inputs
-    is the same before and after the run, so Snakemake's input trigger does not rerun finished
-    runs either (a run that is not finished still has its checkpoint made first)."""
-    point = SEARCH[wildcards.cell]
-    if point["init"]:
-        return [ancient(f"{R}/search/init/{point['init']['name']}/config.json")]
-    return [ancient(f) for f in model_files(point["model"])]
-
-
-rule search_init:
-    input:
-        lambda wc: model_files(SEARCH_INITS[wc.name]["model"]),
-    output:
-        f"{R}/search/init/{{name}}/config.json",
-    params:
-        out=lambda wc: f"{R}/search/init/{wc.name}",
-        cfg=lambda wc: f"{R}/search/init/{wc.name}.yaml",
-        text=lambda wc: yaml_text(SEARCH_INITS[wc.name]["init"]["config"]),
-    log:
-        f"{R}/logs/search/init/{{name}}.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=4000,
-        runtime=60,
-    shell:
-        WARM_START
-
-
-rule search_train:
-    input:
-        cfg=f"{R}/search/{{cell}}/run.yaml",
-        model=search_train_input,
-    output:
-        # the summary is written for every end of a run (ok, collapsed, diverged, error); a killed
-        # run has none, so Snakemake reruns it and `rpa train` resumes from its last checkpoint
-        f"{R}/search/{{cell}}/summary.json",
-    params:
-        out=lambda wc: f"{R}/search/{wc.cell}",
-    log:
-        f"{R}/logs/search/{{cell}}.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=lambda wc: search_resources(wc.cell)["mem_mb"],
-        runtime=lambda wc: search_resources(wc.cell)["runtime"],
-    shell:
-        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1 || test -f {output}"
 
 
 rule search_aggregate:

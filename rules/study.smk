@@ -7,37 +7,6 @@
 STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT, STUDY_GROUPS: common.smk
 
 
-def _group_model(wildcards):
-    return wildcards.group.split("/")[0]
-
-
-def _group_dirs(wildcards):
-    """The run directories of the group's cells, in order."""
-    return [f"{R}/study/{cell}" for cell in STUDY_GROUPS[wildcards.group]]
-
-
-def _study_res(key):
-    return lambda wc: study_resources(config, _group_model(wc), len(STUDY_GROUPS[wc.group]))[key]
-
-
-def study_command(wildcards, input):
-    """``rpa train`` on the model's GPUs for the group's runs: one process, or (one run)
-    accelerate with its multi-GPU config."""
-    res = study_resources(config, _group_model(wildcards))
-    runs = " ".join(f"--config {d}/run.yaml --out {d}" for d in _group_dirs(wildcards))
-    if res["launch"] == "single":
-        cmd = f"rpa train {runs}"
-    else:
-        cmd = (f"accelerate launch --config_file experiments/accelerate/{res['launch']}.yaml "
-               f"--num_processes {res['gpu']} -m rpa.cli train {runs}")
-    return gpu_launch(res["gpu"]) + cmd
-
-
-def study_init_input(wildcards):
-    model = _group_model(wildcards)
-    return [f"{R}/study/{model}/init/config.json"] if model in STUDY_SHARED_INIT else model_files(model)
-
-
 def study_jobs(wildcards=None):
     return [f"{R}/study/{group}.json" for group in STUDY_GROUPS]
 
@@ -54,75 +23,9 @@ rule study:
         study_outputs(),
 
 
-rule study_init:
-    input:
-        lambda wc: model_files(wc.model),
-    output:
-        f"{R}/study/{{model}}/init/config.json",
-    params:
-        cfg=lambda wc: f"{R}/study/{wc.model}/init.yaml",
-        out=lambda wc: f"{R}/study/{wc.model}/init",
-        text=lambda wc: yaml_text(dict(STUDY_INITS[wc.model].config)),
-    log:
-        f"{R}/logs/study/{{model}}/init.log",
-    priority: lambda wc: STUDY_PRIORITY.get(wc.model, 0)
-    conda:
-        ENV
-    resources:
-        mem_mb=4000,
-        runtime=60,
-    shell:
-        WARM_START
-
-
-# one-line jobs that write a file from the config: run by Snakemake itself, never submitted
+# a one-line job that writes a file from the config: run by Snakemake itself, never submitted
 localrules:
-    study_config,
     study_manifest,
-
-
-rule study_config:
-    output:
-        f"{R}/study/{{cell}}/run.yaml",
-    params:
-        text=lambda wc: yaml_text(STUDY[wc.cell]["config"]),
-    # a file written in milliseconds that a job waits for: before the jobs, or a job of many runs
-    # would wait for its configs to be written a slot's turn at a time
-    priority: lambda wc: STUDY_PRIORITY[STUDY[wc.cell]["model"]]
-    shell:
-        WRITE_TEXT
-
-
-rule study_train:
-    input:
-        cfgs=lambda wc: [f"{d}/run.yaml" for d in _group_dirs(wc)],
-        init=study_init_input,
-    output:
-        # the job's record, written once every run has its summary.json (each run writes one for every
-        # end: ok, collapsed, error -- a failed run is a result the tables show as failed, except one
-        # stopped for a reason worth retrying (out of memory, a lost process), which fails the job up to
-        # study.transient_retries times so that it runs again and resumes); the summaries
-        # are not the job's outputs, so a job stopped half-way keeps its finished runs and its rerun
-        # does only the rest (a killed run resumes from its checkpoint)
-        f"{R}/study/{{group}}.json",
-    params:
-        command=study_command,
-        dirs=lambda wc: " ".join(_group_dirs(wc)),
-        retries=config["study"]["transient_retries"] if STUDY else 0,
-    log:
-        f"{R}/logs/study/{{group}}.log",
-    priority: lambda wc: STUDY_PRIORITY[wc.group]
-    conda:
-        ENV
-    resources:
-        gpu=_study_res("gpu"),
-        mem_mb=_study_res("mem_mb"),
-        runtime=_study_res("runtime"),
-        cpus_per_task=_study_res("cpus_per_task"),
-    shell:
-        # `;`: the record decides, from the runs' summaries, whether the job failed
-        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} "
-        "--transient-retries {params.retries} >> {log} 2>&1"
 
 
 def study_manifest_text():

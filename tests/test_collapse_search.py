@@ -164,7 +164,7 @@ def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
     assert proc.returncode == 0, tail(proc)
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    assert counts["search_init"] == 2 and counts["search_train"] == 12
+    assert counts["grid_warm_start"] == 2 and counts["search_train"] == 12
 
 
 def test_an_incomplete_grid_gets_no_verdict(tmp_path):
@@ -223,7 +223,7 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
     grid = [p for p in search_points(CONFIG, "grid")]
     assert counts.get("search_train", 0) == len(grid) - len(finished)  # none once the whole grid is committed
     if len(finished) == len(grid):
-        assert "search_init" not in counts  # a complete committed grid rebuilds no warm start
+        assert "grid_warm_start" not in counts  # a complete committed grid rebuilds no warm start
 
 
 @pytest.mark.cli  # the checker runs each analysis in a process of its own

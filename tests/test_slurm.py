@@ -138,7 +138,7 @@ def study_jobs(tmp_path_factory):
 def test_every_study_job_is_one_task_on_one_node_in_the_plugins_sbatch_line(study_jobs):
     rules = {j["rule"] for j in study_jobs}
     assert {"study_train", "probe", "probe_sampler", "parity", "diagnose", "study_aggregate"} <= rules, rules
-    assert not rules & {"study_config", "write_probe_job", "study"}, rules  # run by Snakemake itself
+    assert not rules & {"grid_run_file", "write_probe_job", "study"}, rules  # run by Snakemake itself
     problems = {f"{j['rule']} {j['wildcards']}": p for j in study_jobs if (p := sbatch_problems(j))}
     assert not problems, problems
 
@@ -186,7 +186,7 @@ def test_every_pilot_job_is_one_task_on_one_node_too(tmp_path):
 def test_config_writing_jobs_are_local_rules():
     """~145 one-line jobs that only write a file from the config must not become SLURM jobs."""
     local = local_rules()
-    assert {"study_config", "study_manifest", "dose_config", "train_config", "search_config"} <= local
+    assert {"grid_run_file", "study_manifest", "search_manifest"} <= local
     assert not local & {"study_train", "probe", "parity", "diagnose", "study_aggregate"}
 
 

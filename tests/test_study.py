@@ -117,9 +117,11 @@ def test_the_longest_work_is_scheduled_first(tmp_path):
     trains = _jobs(out, "study_train")
     assert len(trains) == len(groups) and all(int(j["priority"]) == priority[j["wildcards"].removeprefix("group=")]
                                               for j in trains)
-    for rule, key in (("study_init", "model="), ("tiny_model", "model="), ("study_config", "cell=")):
+    # the model is the first part of a tiny model's name, the second of a warm start's and a run file's
+    for rule, key, part in (("grid_warm_start", "init=study/", 0), ("tiny_model", "model=", 0),
+                            ("grid_run_file", "run=study/", 0)):
         jobs = _jobs(out, rule)
-        assert jobs and all(int(j["priority"]) == priority[j["wildcards"].removeprefix(key).split("/")[0]]
+        assert jobs and all(int(j["priority"]) == priority[j["wildcards"].removeprefix(key).split("/")[part]]
                             for j in jobs), rule
     # probes and parity fill in at the end; an FP16 probe (~8x a BF16 one on a CPU without FP16 arithmetic) first of them
     probes = _jobs(out, "probe") + _jobs(out, "parity")
