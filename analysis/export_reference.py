@@ -11,9 +11,9 @@
 ``layers.csv``, each attribution's ``summary.json``, ``tokens.csv`` and ``ops.csv``, and its
 tables and figures.
 
-Per run directory: ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
+Per run directory: ``run.yaml``, ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
-logs stay in ``results/``); per probe: ``summary.json`` and ``tokens.csv`` restricted to
+logs stay in ``results/``), and the job records of the exported runs (:func:`copy_records`); per probe: ``summary.json`` and ``tokens.csv`` restricted to
 :data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models. An export
 replaces what it exports: the whole ``dose``/``study`` folder, or, for ``search``, each stage
 the results folder has a manifest of (the other stages' committed runs stay), and its decode probes
@@ -63,6 +63,22 @@ def copy_run(src: Path, dst: Path) -> None:
         lines = read_jsonl(src / "metrics.jsonl")
         write_text(dst / "metrics.jsonl", "".join(json.dumps({k: r[k] for k in METRIC_KEYS if k in r}) + "\n"
                                                    for r in lines))
+
+
+def copy_records(results: Path, out: Path, what: str) -> int:
+    """Copy the job records (:mod:`rpa.workflow.runs`, ``<group>.json`` beside its run directories)
+    of the groups whose every run was exported: with them a complete committed grid copied into
+    place has nothing to do (a record is its job's output). The number copied."""
+    copied = 0
+    for record in sorted(p for p in (results / what).glob("**/seed*.json") if p.is_file()):
+        try:
+            dirs = [Path(r["dir"]).relative_to(results) for r in json.loads(record.read_text())["runs"]]
+        except (ValueError, KeyError):  # a record of another results folder's runs
+            continue
+        if all((out / d / "summary.json").exists() for d in dirs):
+            shutil.copy2(record, out / record.relative_to(results))
+            copied += 1
+    return copied
 
 
 def copy_probe(src: Path, dst: Path, columns: tuple[str, ...] = TOKEN_COLUMNS) -> None:
@@ -127,6 +143,7 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)  # no stale runs from an earlier export
     for run in runs:
         copy_run(run, args.out / run.relative_to(args.results))
+    records = copy_records(args.results, args.out, args.what)
     if args.what == "search":
         for manifest in sorted((args.results / "search").glob("*/manifest.json")):
             shutil.copy2(manifest, args.out / manifest.relative_to(args.results))
@@ -137,7 +154,7 @@ def main() -> None:
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
             copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results))
     _copy_outputs(args)
-    print(f"export: {len(runs)} runs -> {args.out}")
+    print(f"export: {len(runs)} runs, {records} job records -> {args.out}")
 
 
 def _copy_outputs(args: argparse.Namespace) -> None:

@@ -4,7 +4,7 @@ import re
 
 from rpa.workflow.pipeline import (PipelineConfigError, attribution_job, diagnose_job, dose_points,
                                    gguf_flags, gpu_shortfall, model_configs, model_kind,
-                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, study_groups,
+                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, grid_groups,
                                    study_points, study_priorities, study_resources, tiny_flags, train_points)
 
 R = config["results"]
@@ -28,7 +28,12 @@ TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"]
 DOSE = {p["cell"]: p["config"] for p in dose_points(config, CELLS["dose"])} if config.get("dose") else {}
 DOSE_INIT = dict(CELLS["dose"][0].init.config) if CELLS["dose"] else None  # the one warm start of every dose cell
 STUDY = {p["cell"]: p for p in study_points(config, CELLS["study"])} if config.get("study") else {}
-STUDY_GROUPS = study_groups(config, CELLS["study"]) if config.get("study") else {}  # group -> its cells, one process each
+# every grid's runs by process: `<section>/<group>` (its record's path under the results, less .json)
+# -> (section, Group), one `rpa train` process (one job) each
+GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in ("train", "dose", "study", "search")
+               if config.get(section) for g in grid_groups(config, section, CELLS[section])}
+STUDY_GROUPS = {key.removeprefix("study/"): [c.name for c in g.cells] for key, (section, g) in GRID_GROUPS.items()
+                if section == "study"}  # group -> its cells
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
 STUDY_PRIORITY = study_priorities(config, STUDY_GROUPS) if config.get("study") else {}
 SEARCH = {p["cell"]: p for p in search_points(config, cells=CELLS["search"])} if config.get("search") else {}
@@ -42,7 +47,13 @@ if _SHORT:
 wildcard_constraints:
     model="|".join(map(re.escape, MODELS)),
     numerics="|".join(map(re.escape, CONFIGS)),
-    group="|".join(map(re.escape, STUDY_GROUPS)) or "(?!)",  # the study's jobs by name: no other .json under study/
+
+
+def grid_records(section, stage=None):
+    """The records of a grid's process groups (of one search ``stage`` only, if given): what its
+    tables wait for."""
+    return [f"{R}/{key}.json" for key, (s, g) in GRID_GROUPS.items()
+            if s == section and (stage is None or g.cells[0].name.split("/")[0] == stage)]
 
 
 def model_path(wildcards):

@@ -11,7 +11,7 @@ rule dose_response:
 
 rule dose_aggregate:
     input:
-        [f"{R}/dose/{cell}/summary.json" for cell in DOSE],
+        grid_records("dose"),
     output:
         csv=f"{R}/tables/dose.csv",
         md=f"{R}/tables/dose.md",

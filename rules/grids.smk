@@ -1,11 +1,8 @@
 # Every grid's runs (rpa.workflow.grid; the cells come from the Snakefile's check_config as
-# CELLS): one rule writes any cell's run config (`<grid>/<cell>/run.yaml`), one runs any shared
-# warm start, and the run rules of the four grids -- a run of the GRPO grid, of the positive
-# control or of the search is one job (its summary.json); the study's runs go by process group
-# (`study/<group>.json`). The targets, manifests and tables of each grid are in its stage file.
-#
-# The run rules keep the command line each grid's finished runs were recorded with: Snakemake
-# reruns a job whose shell command changed, and a rerun deletes the summary it would rewrite.
+# CELLS, their process groups as GRID_GROUPS: rules/common.smk): one rule writes any cell's run
+# config (`<grid>/<cell>/run.yaml`), one runs any shared warm start, one runs any process group
+# (`<grid>/<group>.json`, its record: rpa.workflow.runs). The targets, manifests and tables of each
+# grid are in its stage file.
 
 # every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`
 GRID_CELLS = {f"{section}/{c.name}": c for section in ("train", "dose", "study", "search") for c in CELLS[section]}
@@ -64,130 +61,19 @@ rule grid_warm_start:
         WARM_START
 
 
-# ---------------------------------------------------------------- the GRPO grid (`train_all`)
+# ---------------------------------------------------------------- the runs, one process per group
 
 TRAIN_RES = (config.get("train") or {}).get("resources", {})
-
-
-rule train:
-    input:
-        cfg=f"{R}/train/{{model}}/{{setting}}/{{regions}}/seed{{seed}}/run.yaml",
-        model=model_input,
-    output:
-        # only the summary: Snakemake deletes a failed job's outputs, and the run directory
-        # (checkpoints, metrics.jsonl) must survive for the rerun to resume from it
-        f"{R}/train/{{model}}/{{setting}}/{{regions}}/seed{{seed}}/summary.json",
-    params:
-        out=lambda wc: f"{R}/train/{wc.model}/{wc.setting}/{wc.regions}/seed{wc.seed}",
-        launch=gpu_launch(TRAIN_RES.get("gpu", 0)),
-    log:
-        f"{R}/logs/train/{{model}}/{{setting}}/{{regions}}/seed{{seed}}.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=TRAIN_RES.get("mem_mb", 8000),
-        runtime=TRAIN_RES.get("runtime", 120),
-        cpus_per_task=TRAIN_RES.get("cpus_per_task", 2),
-        gpu=TRAIN_RES.get("gpu", 0),
-    shell:
-        # a rerun after an interruption resumes from the run directory's last checkpoint
-        "{params.launch}rpa train --config {input.cfg} --out {params.out} > {log} 2>&1"
-
-
-# ---------------------------------------------------------------- the positive control (`dose_response`)
-
-
-rule dose_train:
-    input:
-        cfg=f"{R}/dose/{{cell}}/run.yaml",
-        init=f"{R}/dose/init/config.json",
-    output:
-        f"{R}/dose/{{cell}}/summary.json",  # only the summary: a failed job's run directory must survive to resume
-    params:
-        out=lambda wc: f"{R}/dose/{wc.cell}",
-    log:
-        f"{R}/logs/dose/{{cell}}.log",
-    conda:
-        ENV
-    resources:
-        mem_mb=6000,
-        runtime=60,
-    shell:
-        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1"
-
-
-# ---------------------------------------------------------------- the study (`study`)
-
-
-def _group_model(wildcards):
-    return wildcards.group.split("/")[0]
-
-
-def _group_dirs(wildcards):
-    """The run directories of the group's cells, in order."""
-    return [f"{R}/study/{cell}" for cell in STUDY_GROUPS[wildcards.group]]
-
-
-def _study_res(key):
-    return lambda wc: study_resources(config, _group_model(wc), len(STUDY_GROUPS[wc.group]))[key]
-
-
-def study_command(wildcards, input):
-    """``rpa train`` on the model's GPUs for the group's runs: one process, or (one run)
-    accelerate with its multi-GPU config."""
-    res = study_resources(config, _group_model(wildcards))
-    runs = " ".join(f"--config {d}/run.yaml --out {d}" for d in _group_dirs(wildcards))
-    if res["launch"] == "single":
-        cmd = f"rpa train {runs}"
-    else:
-        cmd = (f"accelerate launch --config_file experiments/accelerate/{res['launch']}.yaml "
-               f"--num_processes {res['gpu']} -m rpa.cli train {runs}")
-    return gpu_launch(res["gpu"]) + cmd
-
-
-def study_init_input(wildcards):
-    model = _group_model(wildcards)
-    return [f"{R}/study/{model}/init/config.json"] if model in STUDY_SHARED_INIT else model_files(model)
-
-
-rule study_train:
-    input:
-        cfgs=lambda wc: [f"{d}/run.yaml" for d in _group_dirs(wc)],
-        init=study_init_input,
-    output:
-        # the job's record, written once every run has its summary.json (each run writes one for every
-        # end: ok, collapsed, error -- a failed run is a result the tables show as failed, except one
-        # stopped for a reason worth retrying (out of memory, a lost process), which fails the job up to
-        # study.transient_retries times so that it runs again and resumes); the summaries
-        # are not the job's outputs, so a job stopped half-way keeps its finished runs and its rerun
-        # does only the rest (a killed run resumes from its checkpoint)
-        f"{R}/study/{{group}}.json",
-    params:
-        command=study_command,
-        dirs=lambda wc: " ".join(_group_dirs(wc)),
-        retries=config["study"]["transient_retries"] if STUDY else 0,
-    log:
-        f"{R}/logs/study/{{group}}.log",
-    priority: lambda wc: STUDY_PRIORITY[wc.group]
-    conda:
-        ENV
-    resources:
-        gpu=_study_res("gpu"),
-        mem_mb=_study_res("mem_mb"),
-        runtime=_study_res("runtime"),
-        cpus_per_task=_study_res("cpus_per_task"),
-    shell:
-        # `;`: the record decides, from the runs' summaries, whether the job failed
-        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} "
-        "--transient-retries {params.retries} >> {log} 2>&1"
-
-
-# ---------------------------------------------------------------- the collapse search (`collapse_<stage>`)
+# where a grid's finished runs keep their start as `ancient` input: the search's warm starts are named
+# by what they read (search/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
+# runs copied into place are not made stale by it; the other grids' fixed init directories
+# (dose/init, study/<model>/init) can be rebuilt from changed settings, which must rerun their runs
+ANCIENT_START = {"search"}
 
 
 def search_resources(cell):
-    """A run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of its
-    labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
+    """A search run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of
+    its labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
     point = SEARCH[cell]
     res = config["search"]["stages"][point["stage"]].get("resources") or {}
     by_label = res.get("label_mem_mb", {})
@@ -196,34 +82,95 @@ def search_resources(cell):
             "runtime": res.get("runtime", 120)}
 
 
-def search_train_input(wildcards):
-    """The cell's starting checkpoint, as ``ancient`` input: a finished run (it has its summary)
-    is not made stale by a warm start that is missing or rebuilt (deterministic: the same
-    checkpoint), so a grid goes on from committed runs copied into place; and the set of inputs
-    is the same before and after the run, so Snakemake's input trigger does not rerun finished
-    runs either (a run that is not finished still has its checkpoint made first)."""
-    point = SEARCH[wildcards.cell]
-    if point["init"]:
-        return [ancient(f"{R}/search/init/{point['init']['name']}/config.json")]
-    return [ancient(f) for f in model_files(point["model"])]
+def run_resources(section, cell):
+    """Scheduler resources of one run of ``cell`` (of grid ``section``): ``gpu``, ``mem_mb``,
+    ``runtime`` (minutes), ``cpus_per_task`` and ``launch`` (``single``: one process; else the
+    accelerate config a multi-GPU run launches with)."""
+    base = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}
+    if section == "study":
+        return study_resources(config, cell.labels["model"])
+    if section == "search":
+        return {**base, **search_resources(cell.name)}
+    if section == "train":
+        return {**base, "mem_mb": 8000, "runtime": 120, **TRAIN_RES}
+    return {**base, "mem_mb": 6000, "runtime": 60}  # dose
 
 
-rule search_train:
+def group_resources(record):
+    """A group's resources: its first run's, the runtime the sum of its runs'."""
+    section, group = GRID_GROUPS[record]
+    res = run_resources(section, group.cells[0])
+    return {**res, "runtime": res["runtime"] * len(group.cells)}
+
+
+def group_dirs(record):
+    section, group = GRID_GROUPS[record]
+    return [f"{R}/{section}/{c.name}" for c in group.cells]
+
+
+def group_start(wildcards):
+    """The checkpoints a group's runs start from: their shared warm starts, else their models."""
+    section, group = GRID_GROUPS[wildcards.record]
+    files = sorted({f"{c.init.dir}/config.json" for c in group.cells if c.init}
+                   | {f for c in group.cells if not c.init for f in model_files(c.model)})
+    return [ancient(f) for f in files] if section in ANCIENT_START else files
+
+
+def group_command(wildcards, input):
+    """``rpa train`` on the group's GPUs for its runs: one process, or (one run) accelerate with its
+    multi-GPU config."""
+    res = group_resources(wildcards.record)
+    runs = " ".join(f"--config {d}/run.yaml --out {d}" for d in group_dirs(wildcards.record))
+    if res["launch"] == "single":
+        cmd = f"rpa train {runs}"
+    else:
+        cmd = (f"accelerate launch --config_file experiments/accelerate/{res['launch']}.yaml "
+               f"--num_processes {res['gpu']} -m rpa.cli train {runs}")
+    return gpu_launch(res["gpu"]) + cmd
+
+
+def group_retries(record):
+    section, group = GRID_GROUPS[record]
+    if section == "search":
+        return config["search"]["stages"][group.cells[0].name.split("/")[0]]["transient_retries"]
+    return config[section]["transient_retries"]
+
+
+def group_priority(record):
+    """The study's by STUDY_PRIORITY; every other group its minutes of training (the longest first)."""
+    section, group = GRID_GROUPS[record]
+    if section == "study":
+        return STUDY_PRIORITY[group.name]
+    return group_resources(record)["runtime"]
+
+
+rule grid_run:
     input:
-        cfg=f"{R}/search/{{cell}}/run.yaml",
-        model=search_train_input,
+        cfgs=lambda wc: [f"{d}/run.yaml" for d in group_dirs(wc.record)],
+        start=group_start,
     output:
-        # the summary is written for every end of a run (ok, collapsed, diverged, error); a killed
-        # run has none, so Snakemake reruns it and `rpa train` resumes from its last checkpoint
-        f"{R}/search/{{cell}}/summary.json",
+        # the job's record, written once every run has its summary.json (each run writes one for every
+        # end: ok, collapsed, error -- a failed run is a result the tables show as failed, except one
+        # stopped for a reason worth retrying (out of memory, a lost process), which fails the job up to
+        # transient_retries times so that it runs again and resumes); the summaries are not the job's
+        # outputs, so a job stopped half-way keeps its finished runs and its rerun does only the rest
+        # (a killed run resumes from its checkpoint, a finished one does nothing)
+        f"{R}/{{record,{_one_of(GRID_GROUPS)}}}.json",
     params:
-        out=lambda wc: f"{R}/search/{wc.cell}",
+        command=group_command,
+        dirs=lambda wc: " ".join(group_dirs(wc.record)),
+        retries=lambda wc: group_retries(wc.record),
     log:
-        f"{R}/logs/search/{{cell}}.log",
+        f"{R}/logs/{{record}}.log",
+    priority: lambda wc: group_priority(wc.record)
     conda:
         ENV
     resources:
-        mem_mb=lambda wc: search_resources(wc.cell)["mem_mb"],
-        runtime=lambda wc: search_resources(wc.cell)["runtime"],
+        gpu=lambda wc: group_resources(wc.record)["gpu"],
+        mem_mb=lambda wc: group_resources(wc.record)["mem_mb"],
+        runtime=lambda wc: group_resources(wc.record)["runtime"],
+        cpus_per_task=lambda wc: group_resources(wc.record)["cpus_per_task"],
     shell:
-        "rpa train --config {input.cfg} --out {params.out} > {log} 2>&1 || test -f {output}"
+        # `;`: the record decides, from the runs' summaries, whether the job failed
+        "{params.command} > {log} 2>&1; python -m rpa.workflow.runs --out {output} {params.dirs} "
+        "--transient-retries {params.retries} >> {log} 2>&1"

@@ -6,10 +6,6 @@
 SEARCH_STAGE_NAMES = list((config.get("search") or {}).get("stages") or {})
 
 
-def search_summaries(stage):
-    return [f"{R}/search/{cell}/summary.json" for cell, p in SEARCH.items() if p["stage"] == stage]
-
-
 def search_outputs(stage):
     return [f"{R}/tables/search_{stage}.{ext}" for ext in ("csv", "md", "json")] + \
         [f"{R}/figures/search_{stage}.{FIGURES['format']}"]
@@ -55,7 +51,7 @@ rule search_manifest:
 
 rule search_aggregate:
     input:
-        runs=lambda wc: search_summaries(wc.stage),
+        runs=lambda wc: grid_records("search", wc.stage),
         manifest=f"{R}/search/{{stage}}/manifest.json",
     output:
         csv=report(f"{R}/tables/search_{{stage}}.csv", caption="report/search.rst", category="Collapse search",

@@ -8,7 +8,7 @@ STUDY_MODELS = config["study"]["models"] if STUDY else []  # STUDY_SHARED_INIT, 
 
 
 def study_jobs(wildcards=None):
-    return [f"{R}/study/{group}.json" for group in STUDY_GROUPS]
+    return grid_records("study")
 
 
 def study_outputs(wildcards=None):

@@ -2,7 +2,7 @@
 
 
 def train_runs(wildcards=None):
-    return [f"{R}/train/{m}/{s}/{r}/seed{seed}/summary.json" for (m, s, r, seed) in TRAIN]
+    return grid_records("train")
 
 
 rule train_all:

@@ -29,7 +29,7 @@ def test_config_is_valid_and_every_cell_is_listed_once(tmp_path):
         proc = snakemake("-n", "--cores", "2", f"collapse_{stage}", "--configfile", "experiments/collapse-cpu.yaml",
                          "--config", f"results={tmp_path / 'r'}")
         assert proc.returncode == 0, tail(proc)
-        jobs = [line for line in proc.stdout.splitlines() if line.strip().startswith("search_train ")]
+        jobs = [line for line in proc.stdout.splitlines() if line.strip().startswith("grid_run ")]
         assert jobs and int(jobs[0].split()[1]) == n  # snakemake's job count: each cell once
     pilot_cells = [p for p in points if p["stage"] == "pilot"]
     assert all(p["config"]["steps"] == 10 and p["config"]["old_logprobs"] == "sampler" for p in pilot_cells)
@@ -164,7 +164,7 @@ def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
     assert proc.returncode == 0, tail(proc)
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    assert counts["grid_warm_start"] == 2 and counts["search_train"] == 12
+    assert counts["grid_warm_start"] == 2 and counts["grid_run"] == 12
 
 
 def test_an_incomplete_grid_gets_no_verdict(tmp_path):
@@ -221,7 +221,7 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
     grid = [p for p in search_points(CONFIG, "grid")]
-    assert counts.get("search_train", 0) == len(grid) - len(finished)  # none once the whole grid is committed
+    assert counts.get("grid_run", 0) == len(grid) - len(finished)  # none once the whole grid is committed
     if len(finished) == len(grid):
         assert "grid_warm_start" not in counts  # a complete committed grid rebuilds no warm start
 
@@ -395,7 +395,7 @@ def test_search_resources_take_the_stage_and_the_largest_label(tmp_path):
     cfg.write_text(yaml.safe_dump(config, sort_keys=False))
     dry = snakemake("-n", "--cores", "2", "collapse_lever", "--configfile", str(cfg))
     assert dry.returncode == 0, tail(dry)
-    jobs = re.findall(r"rule search_train:.*?wildcards: cell=(\S+).*?resources: ([^\n]*)", dry.stdout, re.S)
+    jobs = re.findall(r"rule grid_run:.*?wildcards: record=search/(\S+).*?resources: ([^\n]*)", dry.stdout, re.S)
     assert len(jobs) == 12
     for cell, resources in jobs:
         assert f"mem_mb={9000 if '/fp32/' in cell else 5000}" in resources and "runtime=77" in resources

@@ -121,7 +121,7 @@ def sbatch_problems(job: dict) -> list[str]:
     gpus = int(res.get("gpu") or 0)
     if opts.get("--gpus") != (str(gpus) if gpus else None):
         problems.append(f"--gpus={opts.get('--gpus')} (gpu resource {gpus})")
-    want_partition = PROFILE["set-resources"]["study_train"]["slurm_partition"] if gpus else \
+    want_partition = PROFILE["set-resources"]["grid_run"]["slurm_partition"] if gpus else \
         (PROFILE["default-resources"]["slurm_partition"] or None)
     if opts.get("-p") != want_partition:
         problems.append(f"-p {opts.get('-p')} (want {want_partition})")
@@ -137,7 +137,7 @@ def study_jobs(tmp_path_factory):
 
 def test_every_study_job_is_one_task_on_one_node_in_the_plugins_sbatch_line(study_jobs):
     rules = {j["rule"] for j in study_jobs}
-    assert {"study_train", "probe", "probe_sampler", "parity", "diagnose", "study_aggregate"} <= rules, rules
+    assert {"grid_run", "probe", "probe_sampler", "parity", "diagnose", "study_aggregate"} <= rules, rules
     assert not rules & {"grid_run_file", "write_probe_job", "study"}, rules  # run by Snakemake itself
     problems = {f"{j['rule']} {j['wildcards']}": p for j in study_jobs if (p := sbatch_problems(j))}
     assert not problems, problems
@@ -147,8 +147,8 @@ def test_the_study_jobs_ask_for_their_sizes_gpus_and_cpus(study_jobs):
     """The multi-GPU sizes exactly as study.resources names them: 8 GPUs and 64 CPUs in one task."""
     study = yaml.safe_load((REPO / "experiments/study.yaml").read_text())["study"]
     seen = set()
-    for job in (j for j in study_jobs if j["rule"] == "study_train"):
-        want = study["resources"][job["wildcards"].split("=", 1)[1].split("/")[0]]
+    for job in (j for j in study_jobs if j["rule"] == "grid_run"):
+        want = study["resources"][job["wildcards"].removeprefix("record=study/").split("/")[0]]
         line = sbatch_line(job)
         assert f"--gpus={want['gpu']}" in line and f"--cpus-per-task={want['cpus_per_task']}" in line, line
         assert "--nodes=1" in line and "--ntasks" not in line, line
@@ -161,7 +161,7 @@ def test_cpu_only_jobs_go_to_the_cpu_partition_setting(tmp_path, study_jobs):
     assert cpu_jobs and all(" -p " not in sbatch_line(j) for j in cpu_jobs)  # "": the cluster's default
     moved = {**cpu_jobs[0], "resources": {**cpu_jobs[0]["resources"], "slurm_partition": "cpu"}}
     assert " -p cpu " in sbatch_line(moved) + " "
-    assert " -p gpu " in sbatch_line(next(j for j in study_jobs if j["rule"] == "study_train")) + " "
+    assert " -p gpu " in sbatch_line(next(j for j in study_jobs if j["rule"] == "grid_run")) + " "
 
 
 def test_the_check_fails_the_plugins_defaults_for_a_multi_gpu_job(study_jobs):
@@ -178,7 +178,7 @@ def test_the_check_fails_the_plugins_defaults_for_a_multi_gpu_job(study_jobs):
 def test_every_pilot_job_is_one_task_on_one_node_too(tmp_path):
     jobs = [j for j in dry_run_jobs(tmp_path, "study", configfile="experiments/study-pilot.yaml")
             if j["rule"] not in local_rules("experiments/study-pilot.yaml")]
-    assert sum(j["rule"] == "study_train" for j in jobs) == 8
+    assert sum(j["rule"] == "grid_run" for j in jobs) == 8
     problems = {f"{j['rule']} {j['wildcards']}": p for j in jobs if (p := sbatch_problems(j))}
     assert not problems, problems
 
@@ -187,7 +187,7 @@ def test_config_writing_jobs_are_local_rules():
     """~145 one-line jobs that only write a file from the config must not become SLURM jobs."""
     local = local_rules()
     assert {"grid_run_file", "study_manifest", "search_manifest"} <= local
-    assert not local & {"study_train", "probe", "parity", "diagnose", "study_aggregate"}
+    assert not local & {"grid_run", "probe", "parity", "diagnose", "study_aggregate"}
 
 
 def test_the_validation_used_above_rejects_gres_in_slurm_extra():

@@ -88,7 +88,7 @@ def test_the_miniature_runs_arms_of_one_sampler_side_in_one_process_and_every_ce
                      "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
-    assert len(_jobs(out, "study_train")) == len(groups)
+    assert len(_jobs(out, "grid_run")) == len(groups)
     r = tmp_path / "r" / "study" / "mini-xs"
     runs = [f"{r}/{arm}/seed{s}" for arm in ("all", "all-sampler-only") for s in seeds]
     assert "rpa train " + " ".join(f"--config {d}/run.yaml --out {d}" for d in runs) + " " in out
@@ -114,8 +114,8 @@ def test_the_longest_work_is_scheduled_first(tmp_path):
     proc = snakemake("study", "-n", "--configfile", "experiments/study-cpu.yaml", "--config", f"results={tmp_path}")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
-    trains = _jobs(out, "study_train")
-    assert len(trains) == len(groups) and all(int(j["priority"]) == priority[j["wildcards"].removeprefix("group=")]
+    trains = _jobs(out, "grid_run")
+    assert len(trains) == len(groups) and all(int(j["priority"]) == priority[j["wildcards"].removeprefix("record=study/")]
                                               for j in trains)
     # the model is the first part of a tiny model's name, the second of a warm start's and a run file's
     for rule, key, part in (("grid_warm_start", "init=study/", 0), ("tiny_model", "model=", 0),
@@ -177,7 +177,7 @@ def test_a_job_record_needs_every_run_summary(tmp_path):
     import json
 
     got = json.loads(record.read_text())
-    assert got["schema"] == "rpa.study-job/1" and [r["status"] for r in got["runs"]] == ["ok", "error"]
+    assert got["schema"] == "rpa.grid-job/1" and [r["status"] for r in got["runs"]] == ["ok", "error"]
     assert [r["engine_taken_over"] for r in got["runs"]] == [False, True]
 
 
@@ -199,12 +199,12 @@ def test_slurm_dry_run_lists_every_cell_once_with_gpu_resources(tmp_path):
     proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/slurm",
                      "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
-    jobs = _jobs(proc.stdout + proc.stderr, "study_train")
-    cells = [j["wildcards"].removeprefix("group=") for j in jobs]  # the GPU study: one run per job
+    jobs = _jobs(proc.stdout + proc.stderr, "grid_run")
+    cells = [j["wildcards"].removeprefix("record=study/") for j in jobs]  # the GPU study: one run per job
     assert sorted(cells) == sorted(p["cell"] for p in study_points(STUDY))  # every cell, exactly once
     for j in jobs:
         res = dict(kv.split("=", 1) for kv in j["resources"].split(", "))
-        model = j["wildcards"].removeprefix("group=").split("/")[0]
+        model = j["wildcards"].removeprefix("record=study/").split("/")[0]
         want = study_resources(STUDY, model)
         assert int(res["gpu"]) == want["gpu"] > 0 and "slurm_extra" not in res  # the plugin makes --gpus from gpu
         assert int(res["mem_mb"]) == want["mem_mb"] and int(res["runtime"]) == want["runtime"]
@@ -233,7 +233,7 @@ def test_a_workstation_with_fewer_gpus_than_a_job_needs_is_refused_at_parse_time
     proc = snakemake("study", "-n", "--workflow-profile", "experiments/profiles/workstation", "--resources", "gpu=2",
                      "--configfile", "experiments/study.yaml", "--config", f"results={tmp_path / 'r'}")
     assert proc.returncode != 0 and line in proc.stdout + proc.stderr, tail(proc)
-    assert "study_train" not in proc.stdout  # refused before any job is listed
+    assert "grid_run" not in proc.stdout  # refused before any job is listed
 
 
 def test_gpu_allocator_gives_concurrent_jobs_distinct_gpus(tmp_path):
@@ -540,8 +540,8 @@ def test_the_pilot_dry_runs_as_cells_of_the_study_with_its_own_budget(tmp_path):
                      f"results={tmp_path / 'r'}")
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
-    trains = _jobs(out, "study_train")
-    assert sorted(j["wildcards"] for j in trains) == sorted(f"group=qwen3-0.6b/{a}/seed{s}"
+    trains = _jobs(out, "grid_run")
+    assert sorted(j["wildcards"] for j in trains) == sorted(f"record=study/qwen3-0.6b/{a}/seed{s}"
                                                              for a in ("none", "all", "fp16", "fp32") for s in (0, 1))
 
 

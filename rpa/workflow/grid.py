@@ -203,3 +203,56 @@ def expand(grid: Grid) -> list[Cell]:
             cells.append(Cell(grid=grid.name, name="/".join([*grid.prefix, *directory, f"seed{seed}"]), labels=labels,
                               seed=seed, model=merged.get("model"), config=run, init=init))
     return cells
+
+
+@dataclass(frozen=True)
+class Group:
+    """Runs of one grid that one ``rpa train`` process runs, one after another (sharing its imports
+    and, where it would be the same, its vLLM engine): one Snakemake job, tracked by its record
+    (:mod:`rpa.workflow.runs`) ``<name>.json`` beside the run directories."""
+
+    name: str
+    cells: tuple[Cell, ...]
+
+
+def _sampler_side(cell: Cell):
+    """What fixes a process's vLLM engine: the plugin's region set and perturbation."""
+    return cell.run.numerics.sampler_process_key
+
+
+def group_cells(cells: list[Cell], runs_per_process: int = 1, arms_per_process: int = 1,
+                side=_sampler_side) -> list[Group]:
+    """``cells`` (one grid's, in order) by process: cells whose labels differ only in the last axis
+    (the arm) and whose sampler side is the same (``side``) join, up to ``arms_per_process`` of them,
+    in the grid's order, times their seeds in chunks of ``runs_per_process``; a group's runs arm by
+    arm. A group of one cell is named as the cell; a larger one ``<labels>/<arm>[+<arm>...]/seed<N>
+    [+<N>...]`` (``mini-xs/none+rope/seed0+1+2``)."""
+    by_arm: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        by_arm.setdefault(tuple(c.labels.items()), []).append(c)
+    by_side: dict[tuple, list[list[Cell]]] = {}  # arms of the same other labels, by sampler side
+    for labels, arm_cells in by_arm.items():
+        by_side.setdefault((labels[:-1], side(arm_cells[0])), []).append(arm_cells)
+    groups: dict[str, Group] = {}
+    for arms in by_side.values():
+        for a in range(0, len(arms), arms_per_process):
+            together = arms[a:a + arms_per_process]
+            for i in range(0, len(together[0]), runs_per_process):
+                chunks = [arm_cells[i:i + runs_per_process] for arm_cells in together]
+                name = _group_name(chunks)
+                if name in groups:
+                    raise ValueError(f"two process groups are named {name!r} (an arm named like arms joined by '+')")
+                groups[name] = Group(name=name, cells=tuple(c for chunk in chunks for c in chunk))
+    return list(groups.values())
+
+
+def _group_name(chunks: list[list[Cell]]) -> str:
+    """A group of one cell: the cell's name; else the first cell's directory above its arm, the arms'
+    directory names joined by ``+``, ``seed`` and the seeds joined by ``+``."""
+    first = chunks[0][0]
+    if len(chunks) == 1 and len(chunks[0]) == 1:
+        return first.name
+    head = first.name.rsplit("/", 1)[0].rpartition("/")[0] if "/" in first.name else ""
+    arms = "+".join(chunk[0].name.rsplit("/", 1)[0].rpartition("/")[2] for chunk in chunks if "/" in chunk[0].name)
+    seeds = "seed" + "+".join(str(c.seed) for c in chunks[0])
+    return "/".join(part for part in (head, arms, seeds) if part)

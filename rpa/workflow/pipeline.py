@@ -16,7 +16,7 @@ from typing import Any
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
 from rpa.core.yamlfiles import YamlError, load_yaml
 from rpa.core.regions import RegionError, parse_regions, region_label
-from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, SharedWarmStart, expand
+from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, Group, SharedWarmStart, expand, group_cells
 
 
 class PipelineConfigError(ValueError):
@@ -318,6 +318,11 @@ def check_config(config: dict[str, Any]) -> dict[str, list[Cell]]:
         if config.get(section):
             found, cells[section] = checks[section](config)
             problems += found
+            if not found:  # the groups read every run's numerics
+                try:
+                    grid_groups(config, section, cells[section])
+                except ValueError as err:
+                    problems.append(f"{section}: {err}")
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
     return cells
@@ -490,35 +495,24 @@ def study_points(config: dict[str, Any], cells: list[Cell] | None = None) -> lis
             for c in (cells if cells is not None else expand(study_grid(config)))]
 
 
+def grid_groups(config: dict[str, Any], section: str, cells: list[Cell]) -> list[Group]:
+    """The cells of a grid section by process (:func:`rpa.workflow.grid.group_cells`), by the
+    section's ``runs_per_process`` and ``arms_per_process`` (a search stage's own)."""
+    if section == "search":
+        stages = config["search"]["stages"]
+        return [g for stage, knobs in stages.items()
+                for g in group_cells([c for c in cells if c.name.split("/")[0] == stage],
+                                     int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))]
+    knobs = config[section]
+    return group_cells(cells, int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))
+
+
 def study_groups(config: dict[str, Any], cells: list[Cell] | None = None) -> dict[str, list[str]]:
-    """The study's cells by process, one ``rpa train`` each (sharing the imports and, where the
-    engine would be the same, the vLLM engine): per model, up to ``study.arms_per_process`` arms
-    whose sampler side is the same (the plugin's region set and perturbation are fixed per process:
-    :attr:`~rpa.core.numerics_config.NumericsConfig.sampler_process_key`), in the config's order,
-    times the seeds in chunks of ``study.runs_per_process``; a group's runs arm by arm. Named
+    """The study's cells by process (:func:`grid_groups`): group name -> its cells' names. Named
     ``<model>/<arm>[+<arm>...]/seed<N>[+<N>...]`` (``mini-xs/none/seed0+1+2``; a group of one is
     its cell's name). ``cells``: the study's, where already expanded."""
-    study = config["study"]
-    seeds_per, arms_per = int(study.get("runs_per_process", 1)), int(study.get("arms_per_process", 1))
-    by_arm: dict[tuple[str, str], list[Cell]] = {}
-    for c in cells if cells is not None else expand(study_grid(config)):
-        by_arm.setdefault((c.labels["model"], c.labels["arm"]), []).append(c)
-    by_side: dict[tuple[str, Any], list[list[Cell]]] = {}  # a model's arms by sampler side
-    for (model, _), arm_cells in by_arm.items():
-        by_side.setdefault((model, arm_cells[0].run.numerics.sampler_process_key), []).append(arm_cells)
-    groups: dict[str, list[str]] = {}
-    for (model, _), arms in by_side.items():
-        for a in range(0, len(arms), arms_per):
-            together = arms[a:a + arms_per]
-            for i in range(0, len(together[0]), seeds_per):
-                chunks = [arm_cells[i:i + seeds_per] for arm_cells in together]
-                name = (f"{model}/" + "+".join(chunk[0].labels["arm"] for chunk in chunks) + "/seed"
-                        + "+".join(str(c.seed) for c in chunks[0]))
-                if name in groups:
-                    raise ValueError(f"study: two process groups are named {name!r} (an arm named like "
-                                     f"arms joined by '+')")
-                groups[name] = [c.name for chunk in chunks for c in chunk]
-    return groups
+    cells = cells if cells is not None else expand(study_grid(config))
+    return {g.name: [c.name for c in g.cells] for g in grid_groups(config, "study", cells)}
 
 
 def study_priorities(config: dict[str, Any], groups: dict[str, list[str]]) -> dict[str, int]:
@@ -661,11 +655,6 @@ def _study_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     problems += invalid
     if not invalid:
         problems += study_memory_problems(config, cells)
-    if not invalid:  # the groups read every run's numerics
-        try:
-            study_groups(config, cells)
-        except ValueError as err:
-            problems.append(str(err))
     # the probe measures the engine training samples from: eager and compiled vLLM round differently
     probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
     for model in study["models"]:

@@ -1,7 +1,8 @@
-"""The record of one study job: ``python -m rpa.workflow.runs --out RECORD RUN_DIR ...``.
+"""The record of one grid job: ``python -m rpa.workflow.runs --out RECORD RUN_DIR ...``.
 
-A job of the study runs the seeds of one model and arm in one ``rpa train`` process
-(``study.runs_per_process``); Snakemake tracks the job by this record, not by the runs'
+A job of a grid (the GRPO grid, the positive control, the study, a search stage) runs one process
+group's runs in one ``rpa train`` process (``runs_per_process`` seeds of up to ``arms_per_process``
+arms; one run by default); Snakemake tracks the job by this record, not by the runs'
 ``summary.json`` files, so that a job stopped half-way leaves its finished runs in place (a
 failed job's outputs are deleted) and its rerun does only what is left. Written once every run
 has its summary -- a run that failed is a result the tables show as failed; a run without a
@@ -13,7 +14,8 @@ runs it again (``retries``) and the run resumes from its checkpoint -- up to ``-
 times per run (counted in the run directory's :data:`TRANSIENT_LOG`); after that, or at once for any
 other error (a rerun would repeat it), the run is recorded as failed and the job succeeds.
 
-Schema ``rpa.study-job/1``: ``runs``, one entry per run directory in order, with its ``dir``,
+Schema ``rpa.grid-job/1`` (named ``rpa.study-job/1`` while only the study had records; the same
+fields): ``runs``, one entry per run directory in order, with its ``dir``,
 ``status``, ``steps``, ``wall_s`` and ``engine_taken_over`` (whether it ran on the previous
 run's vLLM engine) from its summary, and ``transient_failures`` (the job attempts that failed it
 before).
@@ -32,7 +34,7 @@ from typing import Any
 from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl, read_jsonl, write_json
 
-SCHEMA = "rpa.study-job/1"
+SCHEMA = "rpa.grid-job/1"
 TRANSIENT_LOG = "transient_failures.jsonl"
 """In a run directory: one line per job attempt failed for the run's transient error."""
 
