@@ -137,7 +137,8 @@ def attribution_outputs(wildcards=None):
 
 def yaml_text(data):
     """A job or run file as the command reads it (``rpa probe|diagnose|parity --config``, ``rpa train
-    --config``): YAML, keys in the config's order."""
+    --config``, ``rpa warm-start --config``): YAML, keys in the order given (a run file's: TrainConfig's
+    fields)."""
     import yaml
 
     return yaml.safe_dump(data, sort_keys=False)

@@ -32,7 +32,9 @@ rule grid_run_file:
     output:
         f"{R}/{{run,{_one_of(GRID_CELLS)}}}/run.yaml",
     params:
-        text=lambda wc: yaml_text(dict(GRID_CELLS[wc.run].config)),
+        # the validated run config in full (TrainConfig.to_dict: every option, its value or default),
+        # the same TrainConfig rpa train reads back
+        text=lambda wc: yaml_text(GRID_CELLS[wc.run].run.to_dict()),
     # a file written in milliseconds that a job waits for: before the jobs, or a job of many runs
     # would wait for its configs to be written a slot's turn at a time
     priority: lambda wc: grid_priority([GRID_CELLS[wc.run]])

@@ -126,13 +126,14 @@ def test_every_committed_experiment_is_a_grid_of_valid_cells():
 @pytest.mark.parametrize("name,committed,section", [("config.yaml", "cpu", "train"),
                                                      ("collapse-cpu.yaml", "collapse-cpu", "search"),
                                                      ("collapse-smollm2.yaml", "collapse-smollm2", "search")])
-def test_the_expander_writes_the_committed_runs_run_files_byte_for_byte(name, committed, section):
-    """Every committed run's ``run.yaml`` is what its grid's cell writes today (``yaml_text`` in
-    rules/common.smk): a changed expansion would make Snakemake rerun finished runs."""
+def test_every_committed_run_is_its_cells_run(name, committed, section):
+    """Every committed run's ``run.yaml`` is the run its grid's cell makes today: the same
+    TrainConfig, written either as the cell's merged mapping (before run files were canonical) or
+    as the canonical ``TrainConfig.to_dict()`` the workflow writes now -- an expansion that changed a
+    finished run would make Snakemake run it again."""
     config = _config(name)
     if section == "train":
-        grid = train_grid(config)
-        cells = {f"train/{c.name}": c for c in expand(grid)}
+        cells = {f"train/{c.name}": c for c in expand(train_grid(config))}
     else:
         cells = {f"search/{c.name}": c for g in search_grids(config) for c in expand(g)}
     root = REPO / "results/reference" / committed
@@ -140,4 +141,15 @@ def test_the_expander_writes_the_committed_runs_run_files_byte_for_byte(name, co
              if "stale-lm-head" not in p.parts}
     assert len(files) >= 12, sorted(files)
     for cell, path in files.items():
-        assert path.read_text() == yaml.safe_dump(dict(cells[cell].config), sort_keys=False), cell
+        c = cells[cell]
+        assert TrainConfig.from_yaml(path) == c.run, cell
+        assert path.read_text() in (yaml.safe_dump(dict(c.config), sort_keys=False),
+                                    yaml.safe_dump(c.run.to_dict(), sort_keys=False)), cell
+
+
+def test_a_run_file_is_the_canonical_config_rpa_train_reads_back(tmp_path):
+    (c, *_) = expand(_grid(base={**BASE_RUN, "task": {"name": "count", "num_prompts": 8, "eval_prompts": 2}}))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(c.run.to_dict(), sort_keys=False))  # what rules/grids.smk writes
+    assert TrainConfig.from_yaml(path) == c.run
+    assert set(yaml.safe_load(path.read_text())) == {f.name for f in __import__("dataclasses").fields(TrainConfig)}
