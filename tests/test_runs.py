@@ -1,4 +1,4 @@
-"""A study job's record (rpa.workflow.runs): a run stopped for a reason worth retrying fails its job
+"""A grid job's record (rpa.workflow.runs): a run stopped for a reason worth retrying fails its job
 (a bounded number of times, counted in the run directory), a deterministic error is recorded at once."""
 
 import json
@@ -82,3 +82,22 @@ def test_the_command_fails_in_one_line_and_writes_no_record(tmp_path, capsys):
     assert len(err) == 1 and "worth running again" in err[0] and "DistBackendError" in err[0]
     assert main(["--out", str(out), str(run), "--transient-retries", "1"]) == 0 and out.exists()
     assert main(["--out", str(tmp_path / "j2.json"), str(run)]) == 0  # default 0: every error is a result
+
+
+def test_a_finished_run_is_finished_whatever_its_logging_cadence(tmp_path):
+    """A grid job reruns ``rpa train`` on its finished runs (it writes the record only): a run of 36
+    optimizer steps at ``updates_per_generation`` 4 logs 9 of them, and is finished all the same
+    (it was trained again from scratch when its 9 logged steps were read as 9 of 36 steps)."""
+    from rpa.train.config import TrainConfig
+    from rpa.train.rundir import finished_summary
+
+    cfg = TrainConfig.from_dict({"model": "m", "task": {"name": "count", "num_prompts": 64, "eval_prompts": 2},
+                                 "steps": 36, "updates_per_generation": 4})
+    summary = {"status": "ok", "steps": 9, "config": cfg.to_dict()}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert finished_summary(tmp_path, cfg) == summary
+    shorter = {**summary, "config": {**cfg.to_dict(), "steps": 20}}  # control: a summary of fewer steps
+    (tmp_path / "summary.json").write_text(json.dumps(shorter))
+    assert finished_summary(tmp_path, cfg) is None
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "status": "error"}))
+    assert finished_summary(tmp_path, cfg) is None

@@ -242,7 +242,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
                                    f"{'; ...' if len(differs) > 5 else ''}); use a new directory")
     done = finished_summary(out, cfg)
     if done is not None:
-        _log(f"{out} already finished ({done['steps']} steps, status {done['status']}); nothing to do")
+        _log(f"{out} already finished ({cfg.steps} steps, {done['steps']} logged, status {done['status']}); "
+             f"nothing to do")
         return done
     t0 = time.time()
     from rpa.core.provenance import provenance

@@ -48,13 +48,17 @@ def same_config(recorded: dict[str, Any], cfg: TrainConfig) -> bool:
 
 def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     """The summary of a run that has nothing left to do: all steps, or stopped by a blow-up
-    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again."""
+    (``collapsed``) or by the engines drifting apart (``diverged``) -- a rerun would stop there again.
+    All steps: an ``ok`` summary of a run of at least ``cfg.steps`` steps, read from the config the
+    summary records -- not from its ``steps``, which counts the logged steps (one per generated batch:
+    9 for 36 optimizer steps at ``updates_per_generation`` 4)."""
     path = out / "summary.json"
     if not path.exists():
         return None
     summary = json.loads(path.read_text())
     stopped = summary.get("status") in ("collapsed", "diverged")
-    if stopped or (summary.get("status") == "ok" and summary.get("steps", 0) >= cfg.steps):
+    trained = (summary.get("config") or {}).get("steps", summary.get("steps", 0))
+    if stopped or (summary.get("status") == "ok" and trained >= cfg.steps):
         return summary
     return None
 
