@@ -382,7 +382,7 @@ def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
     before = (out / "metrics.jsonl").read_text()
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(out.parent / "run.yaml"), "--out", str(out)])
-    assert proc.returncode == 0 and "already finished (6 steps, status ok); nothing to do" in proc.stderr, tail(proc)
+    assert proc.returncode == 0 and "already finished (6 steps, 6 logged, status ok); nothing to do" in proc.stderr, tail(proc)
     assert (out / "metrics.jsonl").read_text() == before
     assert json.loads((out / "summary.json").read_text())["grpo"]["scale_rewards"] == "group"  # named in provenance
     assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints  # no checkpoint-7
