@@ -216,7 +216,7 @@ def _cmd_train(args: argparse.Namespace, checked: Checked) -> int:
             continue
         verdict = f"collapsed at step {s['collapse_step']} ({s['collapse_reason']})" if s["collapsed"] \
             else "no collapse"
-        print(f"rpa train: {s['steps']} steps, {verdict}; peak reward {s.get('peak_reward')}, "
+        print(f"rpa train: {s['steps']} logged steps, {verdict}; peak reward {s.get('peak_reward')}, "
               f"final (smoothed) {s.get('final_reward')}, AUC {s.get('reward_auc')}; {s['wall_s']} s -> {out}")
     return 1 if failed else 0
 

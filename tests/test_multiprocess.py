@@ -141,7 +141,7 @@ def test_two_process_run_logs_each_step_once_with_gathered_mismatch(tiny_dirs, t
         assert r["mismatch/tokens"] == pytest.approx(16 * r["completions/mean_length"]), r
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 3
-    assert proc.stdout.count("rpa train: 3 steps") == 1
+    assert proc.stdout.count("rpa train: 3 logged steps") == 1
 
 
 WAIT_SCRIPT = """

@@ -248,7 +248,7 @@ def test_run_resumes_after_kill_without_duplicated_or_missing_steps(killed_and_r
     assert summary["schema"] == "rpa.train/1" and summary["status"] == "ok"
     assert summary["resumed_from"] in ("checkpoint-2", "checkpoint-4") and summary["steps"] == 6
     assert set(summary) >= {"collapsed", "collapse_step", "peak_reward", "final_reward", "reward_auc"}
-    assert "rpa train: 6 steps" in run["second"].stdout
+    assert "rpa train: 6 logged steps" in run["second"].stdout
 
 
 @pytest.mark.engine
