@@ -2,9 +2,9 @@
 
 import re
 
-from rpa.workflow.pipeline import (PipelineConfigError, attribution_job, diagnose_job, dose_points,
-                                   gguf_flags, gpu_shortfall, model_configs, model_kind,
-                                   model_location, parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names, grid_groups,
+from rpa.workflow.pipeline import (GRID_SECTIONS, PipelineConfigError, attribution_job, diagnose_job, dose_points,
+                                   gguf_flags, gpu_shortfall, grid_groups, model_configs, model_kind, model_location,
+                                   parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names,
                                    study_points, study_priorities, study_resources, tiny_flags, train_points)
 
 R = config["results"]
@@ -30,7 +30,7 @@ DOSE_INIT = dict(CELLS["dose"][0].init.config) if CELLS["dose"] else None  # the
 STUDY = {p["cell"]: p for p in study_points(config, CELLS["study"])} if config.get("study") else {}
 # every grid's runs by process: `<section>/<group>` (its record's path under the results, less .json)
 # -> (section, Group), one `rpa train` process (one job) each
-GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in ("train", "dose", "study", "search")
+GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in GRID_SECTIONS
                if config.get(section) for g in grid_groups(config, section, CELLS[section])}
 STUDY_GROUPS = {key.removeprefix("study/"): [c.name for c in g.cells] for key, (section, g) in GRID_GROUPS.items()
                 if section == "study"}  # group -> its cells

@@ -5,7 +5,7 @@
 # grid are in its stage file.
 
 # every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`
-GRID_CELLS = {f"{section}/{c.name}": c for section in ("train", "dose", "study", "search") for c in CELLS[section]}
+GRID_CELLS = {f"{section}/{c.name}": c for section in GRID_SECTIONS for c in CELLS[section]}
 # every shared warm start by its directory under the results, with the cells that start from it
 GRID_WARM_STARTS = {}
 for _cell in GRID_CELLS.values():
