@@ -65,7 +65,6 @@ rule grid_warm_start:
 
 # ---------------------------------------------------------------- the runs, one process per group
 
-TRAIN_RES = (config.get("train") or {}).get("resources", {})
 # where a grid's finished runs keep their start as `ancient` input: the search's warm starts are named
 # by what they read (search/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
 # runs copied into place are not made stale by it; the other grids' fixed init directories
@@ -88,14 +87,12 @@ def run_resources(section, cell):
     """Scheduler resources of one run of ``cell`` (of grid ``section``): ``gpu``, ``mem_mb``,
     ``runtime`` (minutes), ``cpus_per_task`` and ``launch`` (``single``: one process; else the
     accelerate config a multi-GPU run launches with)."""
-    base = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}
+    base = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}  # a run on the CPU, in one process
     if section == "study":
         return study_resources(config, cell.labels["model"])
     if section == "search":
         return {**base, **search_resources(cell.name)}
-    if section == "train":
-        return {**base, "mem_mb": 8000, "runtime": 120, **TRAIN_RES}
-    return {**base, "mem_mb": 6000, "runtime": 60}  # dose
+    return {**base, **config[section]["resources"]}  # train, dose: the schema's defaults filled in
 
 
 def group_resources(record):
