@@ -699,6 +699,39 @@ def test_trainer_sampled_rollouts_are_the_mismatch_free_control(tiny_dirs, tmp_p
     assert "generate" not in summary["timings"]  # no vLLM generation was timed
 
 
+@pytest.mark.engine
+def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_bit_for_bit(tiny_dirs, tmp_path):
+    """``rollouts: trainer`` with ``trainer_decode: recompute`` and ``attn_implementation: eager``: each
+    token is sampled from a forward of the whole sequence so far, whose last row is bitwise the
+    training forward's row, so every sampled token's logprob is the trainer's exactly -- the in-training
+    mismatch is 0 at every step (a mismatch-free BF16 control). Control: the same sampling with sdpa,
+    whose rows depend on the sequence length on CPU, is not 0."""
+    runs = {}
+    for attention in ("eager", "sdpa"):
+        cfg = tmp_path / f"{attention}.yaml"
+        cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "checkpoint_every": 2,
+                                       "numerics": {"regions": "none", "trainer_positions": "mask"},
+                                       "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
+                                       "old_logprobs": "sampler", "rollouts": "trainer", "trainer_decode": "recompute",
+                                       "attn_implementation": attention, "gradient_checkpointing": False}))
+        proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / attention)])
+        assert proc.returncode == 0, tail(proc)
+        runs[attention] = [json.loads(line) for line in (tmp_path / attention / "metrics.jsonl").read_text().splitlines()]
+    assert runs["eager"] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
+                                 for r in runs["eager"]), runs["eager"]
+    assert max(r["mismatch/mean_abs_dlogp"] for r in runs["sdpa"]) > 0
+
+
+def test_recompute_sampling_and_eager_attention_refuse_what_they_cannot_mean():
+    with pytest.raises(TrainConfigError, match="trainer_decode: only rollouts: trainer decodes on the trainer"):
+        TrainConfig.from_dict({"model": "m", **BASE, "trainer_decode": "recompute"})
+    with pytest.raises(TrainConfigError, match="replaces the attention that numerics.trainer_attention: fp32"):
+        TrainConfig.from_dict({"model": "m", **BASE, "attn_implementation": "eager",
+                               "numerics": {"regions": "all", "trainer_attention": "fp32"}})
+    with pytest.raises(TrainConfigError, match="trainer_decode: 'none' is not one of cached, recompute"):
+        TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "trainer_decode": "none"})
+
+
 def test_trainer_rollouts_refuse_what_needs_a_second_engine():
     with pytest.raises(TrainConfigError, match="importance-sampling correction needs a second engine"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "is_correction": "token_truncate"})

@@ -24,6 +24,10 @@ OldLogprobs = Literal["trainer", "sampler"]
 Rollouts = Literal["vllm", "trainer"]
 """Who samples the rollouts: ``vllm`` (the colocated engine: the mismatch under study) or ``trainer``
 (the trainer's own BF16 compute path: the mismatch-free control, mu = pi up to decode vs recompute)."""
+TrainerDecode = Literal["cached", "recompute"]
+"""How ``rollouts: trainer`` samples: KV-cached decoding, or one forward of the whole prefix per token."""
+AttnImplementation = Literal["sdpa", "eager"]
+"""The trainer's attention kernel (transformers' ``attn_implementation``)."""
 LrSchedule = Literal["linear", "constant", "cosine"]
 """``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
 ScaleRewards = Literal["group", "batch", "none"]
@@ -193,6 +197,19 @@ class TrainConfig:
                 "trainer generates with its own compute path, so the sampling policy is the trained one up to the "
                 "rounding of cached decoding vs the training forward; no vLLM engine starts, and the sampler's "
                 "logprobs are the decode-time ones). :data:`ROLLOUTS`."})
+    trainer_decode: TrainerDecode = field(default="cached", metadata={
+        "help": "How ``rollouts: trainer`` samples: ``cached`` (KV-cached decoding, one token's forward at a time; "
+                "its logprobs differ from the training forward's by rounding: 0.04 nats/token on SmolLM2 in BF16) or "
+                "``recompute`` (no cache: one forward of the whole sequence so far per token, the training "
+                "forward's own computation; its cost grows with the square of the length). With "
+                "``attn_implementation: eager`` the sampling policy is then the trained one bit for bit where the "
+                "training batch lays a row out as sampling did (the tiny models' test); SmolLM2 in TRL's padded "
+                "training batches is not there yet (a row padded differently keeps 74% of its tokens' bits)."})
+    attn_implementation: AttnImplementation = field(default="sdpa", metadata={
+        "help": "The trainer's attention kernel (transformers' ``attn_implementation``): ``sdpa`` (PyTorch's fused "
+                "kernel; on CPU a row's bits depend on the sequence length it is computed in) or ``eager`` (matmul, "
+                "FP32 softmax, matmul; they do not: SmolLM2 in BF16, a token's logprob at the end of its prefix "
+                "equals the one inside the whole unpadded sequence, 48 of 48). vLLM's side is not changed."})
 
     def __post_init__(self) -> None:
         for name in ("gradient_checkpointing", "vllm_enforce_eager", "shuffle_dataset", "disable_dropout",
@@ -219,6 +236,15 @@ class TrainConfig:
         if isinstance(self.eval_temperature, bool) or not isinstance(self.eval_temperature, (int, float)) \
                 or not self.eval_temperature >= 0:
             raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
+        if self.trainer_decode != "cached" and self.rollouts != "trainer":
+            raise TrainConfigError("trainer_decode: only rollouts: trainer decodes on the trainer (vLLM samples "
+                                   "with its own engine)")
+        if self.attn_implementation != "sdpa" and self.numerics.trainer_attention != "stock":
+            raise TrainConfigError(f"attn_implementation: {self.attn_implementation} replaces the attention that "
+                                   f"numerics.trainer_attention: {self.numerics.trainer_attention} re-rounds; use one")
+        if self.attn_implementation != "sdpa" and self.beta > 0:
+            raise TrainConfigError("attn_implementation: the KL reference model TRL loads (beta > 0) would keep "
+                                   "sdpa; use beta 0")
         if self.rollouts == "trainer":
             if self.is_correction != "off":
                 raise TrainConfigError("is_correction: an importance-sampling correction needs a second engine; "

@@ -317,7 +317,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             make_llm_env(cfg.numerics, multiprocess=False)
             _claim_rendezvous_port()
             tokenizer = AutoTokenizer.from_pretrained(init_dir)
-            model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)  # FP32 masters
+            model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32,  # FP32 masters
+                                                         attn_implementation=cfg.attn_implementation)
             from rpa.sides.trainer import align_for
 
             alignment = align_for(cfg.numerics, model)

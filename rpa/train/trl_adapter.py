@@ -238,10 +238,11 @@ def _evaluation_callback(trainer):
 
 
 def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
-    """The mismatch-free BF16 arm's rollouts (``rollouts: trainer``): the trainer samples its own
-    completions with its own compute path (the aligned/cast HF model, KV-cached decoding, left
-    padding with positions from the mask), so the sampling policy mu is pi up to decode-vs-recompute
-    rounding. TRL's ``rollout_func`` contract: one completion per prompt of the batch (the prompts
+    """The self-sampled BF16 arm's rollouts (``rollouts: trainer``): the trainer samples its own
+    completions with its own compute path (the aligned/cast HF model, left padding with positions from
+    the mask) -- KV-cached decoding (``trainer_decode: cached``: mu is pi up to decode-vs-recompute
+    rounding) or one forward of the whole sequence so far per token (``recompute``: the training
+    forward's computation; with eager attention mu is pi bit for bit). TRL's ``rollout_func`` contract: one completion per prompt of the batch (the prompts
     come repeated ``num_generations`` times), with the decode-time log-probability of each sampled
     token -- FP32 log-softmax of the raw logits at the sampling temperature, as vLLM reports it --
     which TRL makes ``sampling_per_token_logps``."""
@@ -263,7 +264,8 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     try:
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                                 output_logits=True, return_dict_in_generate=True)
+                                 output_logits=True, return_dict_in_generate=True,
+                                 use_cache=trainer.rpa_config.trainer_decode == "cached")
     finally:
         model.train(was_training)
     new = out.sequences[:, width:]
