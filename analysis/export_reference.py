@@ -13,7 +13,8 @@ tables and figures.
 
 Per run directory: ``run.yaml``, ``config.json``, ``summary.json``, ``eval.jsonl`` and ``metrics.jsonl``
 restricted to :data:`METRIC_KEYS` (what the analyses and the collapse verdict read; the full
-logs stay in ``results/``), and the job records of the exported runs (:func:`copy_records`); per probe: ``summary.json`` and ``tokens.csv`` restricted to
+logs stay in ``results/``), and the job records of the exported runs (:func:`copy_records`); per
+probe: ``summary.json`` and ``tokens.csv`` restricted to
 :data:`TOKEN_COLUMNS`; the stage's tables and figures. No checkpoints, no models. An export
 replaces what it exports: the whole ``dose``/``study`` folder, or, for ``search``, each stage
 the results folder has a manifest of (the other stages' committed runs stay), and its decode probes

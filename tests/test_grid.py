@@ -129,8 +129,8 @@ def test_every_committed_experiment_is_a_grid_of_valid_cells():
 def test_every_committed_run_is_its_cells_run(name, committed, section):
     """Every committed run's ``run.yaml`` is the run its grid's cell makes today: the same
     TrainConfig, written either as the cell's merged mapping (before run files were canonical) or
-    as the canonical ``TrainConfig.to_dict()`` (of the fields TrainConfig had when it was written) -- an expansion that changed a
-    finished run would make Snakemake run it again."""
+    as the canonical ``TrainConfig.to_dict()`` (of the fields TrainConfig had when it was written)
+    -- an expansion that changed a finished run would make Snakemake run it again."""
     config = _config(name)
     if section == "train":
         cells = {f"train/{c.name}": c for c in expand(train_grid(config))}

@@ -382,7 +382,8 @@ def test_finished_run_started_again_does_nothing(killed_and_resumed_run):
     before = (out / "metrics.jsonl").read_text()
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(out.parent / "run.yaml"), "--out", str(out)])
-    assert proc.returncode == 0 and "already finished (6 steps, 6 logged, status ok); nothing to do" in proc.stderr, tail(proc)
+    assert proc.returncode == 0, tail(proc)
+    assert "already finished (6 steps, 6 logged, status ok); nothing to do" in proc.stderr, tail(proc)
     assert (out / "metrics.jsonl").read_text() == before
     assert json.loads((out / "summary.json").read_text())["grpo"]["scale_rewards"] == "group"  # named in provenance
     assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints  # no checkpoint-7
@@ -673,22 +674,27 @@ def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
     assert checkpoint_layout("Qwen/Qwen3-0.6B") == "id:Qwen/Qwen3-0.6B" != checkpoint_layout(str(a))
 
 
+def _bf16_run(tiny_dirs, tmp_path, name: str, **overrides) -> list[dict]:
+    """``rpa train`` of a short stock-BF16 run on the tiny Qwen3 (warm-started, the sampler's old
+    logprobs) with ``overrides``, in its own process; its metric records."""
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE,
+                                   "numerics": {"regions": "none", "trainer_positions": "mask"},
+                                   "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
+                                   "old_logprobs": "sampler", **overrides}))
+    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / name)])
+    assert proc.returncode == 0, tail(proc)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.engine
 def test_trainer_sampled_rollouts_are_the_mismatch_free_control(tiny_dirs, tmp_path):
     """``rollouts: trainer``: the trainer samples its own completions (no vLLM engine), so the
     sampling policy is the trained one up to cached decoding vs the training forward; its in-training
     mismatch is far below the same BF16 arm sampled by vLLM, on the same tiny model, seed and steps."""
-    runs = {}
-    for rollouts in ("vllm", "trainer"):
-        cfg = tmp_path / f"{rollouts}.yaml"
-        cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 3, "checkpoint_every": 3,
-                                       "numerics": {"regions": "none", "trainer_positions": "mask"},
-                                       "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
-                                       "old_logprobs": "sampler", "rollouts": rollouts,
-                                       "task": {**BASE["task"], "eval_prompts": 4}, "eval_every": 3}))
-        proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / rollouts)])
-        assert proc.returncode == 0, tail(proc)
-        runs[rollouts] = [json.loads(line) for line in (tmp_path / rollouts / "metrics.jsonl").read_text().splitlines()]
+    runs = {rollouts: _bf16_run(tiny_dirs, tmp_path, rollouts, steps=3, checkpoint_every=3, rollouts=rollouts,
+                                task={**BASE["task"], "eval_prompts": 4}, eval_every=3)
+            for rollouts in ("vllm", "trainer")}
     mismatch = {k: max(r["mismatch/mean_abs_dlogp"] for r in v) for k, v in runs.items()}
     assert mismatch["trainer"] < mismatch["vllm"] / 10, mismatch
     assert all(r["sync/mean_abs_dlogp"] is None for r in runs["trainer"])  # no second engine to sync
@@ -706,17 +712,10 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
     training forward's row, so every sampled token's logprob is the trainer's exactly -- the in-training
     mismatch is 0 at every step (a mismatch-free BF16 control). Control: the same sampling with sdpa,
     whose rows depend on the sequence length on CPU, is not 0."""
-    runs = {}
-    for attention in ("eager", "sdpa"):
-        cfg = tmp_path / f"{attention}.yaml"
-        cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "checkpoint_every": 2,
-                                       "numerics": {"regions": "none", "trainer_positions": "mask"},
-                                       "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
-                                       "old_logprobs": "sampler", "rollouts": "trainer", "trainer_decode": "recompute",
-                                       "attn_implementation": attention, "gradient_checkpointing": False}))
-        proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / attention)])
-        assert proc.returncode == 0, tail(proc)
-        runs[attention] = [json.loads(line) for line in (tmp_path / attention / "metrics.jsonl").read_text().splitlines()]
+    runs = {attention: _bf16_run(tiny_dirs, tmp_path, attention, steps=2, checkpoint_every=2, rollouts="trainer",
+                                 trainer_decode="recompute", attn_implementation=attention,
+                                 gradient_checkpointing=False)
+            for attention in ("eager", "sdpa")}
     assert runs["eager"] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
                                  for r in runs["eager"]), runs["eager"]
     assert max(r["mismatch/mean_abs_dlogp"] for r in runs["sdpa"]) > 0

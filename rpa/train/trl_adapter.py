@@ -242,8 +242,9 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     completions with its own compute path (the aligned/cast HF model, left padding with positions from
     the mask) -- KV-cached decoding (``trainer_decode: cached``: mu is pi up to decode-vs-recompute
     rounding) or one forward of the whole sequence so far per token (``recompute``: the training
-    forward's computation; with eager attention mu is pi bit for bit). TRL's ``rollout_func`` contract: one completion per prompt of the batch (the prompts
-    come repeated ``num_generations`` times), with the decode-time log-probability of each sampled
+    forward's computation; with eager attention mu is pi bit for bit where the training batch lays a
+    row out as sampling did). TRL's ``rollout_func`` contract: one completion per prompt of the batch
+    (the prompts come repeated ``num_generations`` times), with the decode-time log-probability of each sampled
     token -- FP32 log-softmax of the raw logits at the sampling temperature, as vLLM reports it --
     which TRL makes ``sampling_per_token_logps``."""
     import torch

@@ -422,19 +422,23 @@ def dose_grid(config: dict[str, Any]) -> Grid:
     base = load_yaml(dose["base"])
     doses = {dose_label(d): {"numerics": {
         **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
-        **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}} for d in dose["doses"]}
+        **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}}
+        for d in dose["doses"]}
     anchors = {name: {"numerics": numerics} for name, numerics in (dose.get("anchors") or {}).items()}
     corrections = list(dict.fromkeys([*dose["is_corrections"], "off"]))
     applied = tuple(c for c in corrections if c != "off")
-    exclude = [{"is_correction": applied, "old_logprobs": ("sampler",)}, {"arm": tuple(anchors), "is_correction": applied}]
+    exclude = [{"is_correction": applied, "old_logprobs": ("sampler",)},
+               {"arm": tuple(anchors), "is_correction": applied}]
     if "off" not in dose["is_corrections"]:  # listed for the anchors only
         exclude.append({"arm": tuple(doses), "is_correction": ("off",)})
     return Grid(name="dose", base=base, overrides={"model": dose["model"]},
-                axes=(Axis("arm", {**doses, **anchors}), Axis("is_correction", {c: {"is_correction": c} for c in corrections}),
+                axes=(Axis("arm", {**doses, **anchors}),
+                      Axis("is_correction", {c: {"is_correction": c} for c in corrections}),
                       Axis("old_logprobs", {o: {"old_logprobs": o} for o in dose["old_logprobs"]})),
                 seeds=tuple(dose["seeds"]), exclude=tuple(exclude), models=_located_models(config),
                 path="{arm}/{is_correction}-{old_logprobs}", replaced=("numerics",),
-                warm_start=SharedWarmStart(level=BASE, directory=f"{config['results']}/dose/init", only_with_steps=False))
+                warm_start=SharedWarmStart(level=BASE, directory=f"{config['results']}/dose/init",
+                                           only_with_steps=False))
 
 
 def dose_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
@@ -477,7 +481,8 @@ def study_grid(config: dict[str, Any]) -> Grid:
     arms = {name: {} for name in study_arm_names(study)}
     for model in study["models"]:
         arms.update(study_arms(study, model))
-    owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})} for arm in arms if arm not in study["arms"]}
+    owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})}
+              for arm in arms if arm not in study["arms"]}
     exclude = tuple({"model": tuple(m for m in study["models"] if m not in models), "arm": (arm,)}
                     for arm, models in owners.items())
     return Grid(name="study", base=load_yaml(study["base"]),
