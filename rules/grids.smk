@@ -67,8 +67,9 @@ rule grid_warm_start:
 
 # where a grid's finished runs keep their start as `ancient` input: the search's warm starts are named
 # by what they read (search/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
-# runs copied into place are not made stale by it; the other grids' fixed init directories
-# (dose/init, study/<model>/init) can be rebuilt from changed settings, which must rerun their runs
+# runs restored into place (analysis.restore_reference) are not made stale by it; the other grids'
+# fixed init directories (dose/init, study/<model>/init) can be rebuilt from changed settings, which
+# must rerun their runs
 ANCIENT_START = {"search"}
 
 

@@ -206,24 +206,41 @@ def test_committed_search_tables_regenerate_from_the_raw_runs(tmp_path, stage):
 
 
 def test_the_grid_goes_on_from_committed_runs(tmp_path):
-    """Committed finished runs copied into place are not run again, even though their shared
-    warm starts are missing (a finished run needs none)."""
+    """Committed finished runs put into place by ``analysis.restore_reference`` are not run again,
+    whatever times the clone gave them (git writes a record ``seed0.json`` before its
+    ``seed0/run.yaml``), and although their shared warm starts are missing (a finished run needs
+    none); copied as the clone wrote them, they would be (the control)."""
+    import os
     import shutil
 
-    committed = REPO / "results/reference/collapse-cpu/search"
-    finished = list(committed.glob("grid/*/*/seed*/summary.json"))
+    from analysis.restore_reference import is_record, restore
+
+    committed = REPO / "results/reference/collapse-cpu"
+    finished = list(committed.glob("search/grid/*/*/seed*/summary.json"))
     assert finished, "no committed grid runs (part of the contract)"
-    res = tmp_path / "r"
-    shutil.copytree(committed, res / "search", copy_function=shutil.copy2)  # times kept: summary newer than run.yaml
-    proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", "experiments/collapse-cpu.yaml",
-                     "--config", f"results={res}")
-    assert proc.returncode == 0, tail(proc)
-    counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
-              if len(line.split()) == 2 and line.split()[1].isdigit()}
+    clone = tmp_path / "clone"
+    shutil.copytree(committed / "search", clone / "search", copy_function=shutil.copyfile)
+    for f in sorted(p for p in clone.rglob("*") if p.is_file()):  # a clone's times: path order
+        t = 1e9 + (0 if is_record(f) else 10)  # the records (before their run folders) the oldest
+        os.utime(f, (t, t))
     grid = [p for p in search_points(CONFIG, "grid")]
+
+    def runs_to_do(res):
+        proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", "experiments/collapse-cpu.yaml",
+                         "--config", f"results={res}")
+        assert proc.returncode == 0, tail(proc)
+        counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
+                  if len(line.split()) == 2 and line.split()[1].isdigit()}
+        return counts
+
+    assert runs_to_do(clone).get("grid_run", 0) == len(grid)  # the control: the clone's times rerun every job
+    res = tmp_path / "r"
+    assert restore(clone, res)["search"] == sum(1 for p in clone.rglob("*") if p.is_file())
+    counts = runs_to_do(res)
     assert counts.get("grid_run", 0) == len(grid) - len(finished)  # none once the whole grid is committed
     if len(finished) == len(grid):
         assert "grid_warm_start" not in counts  # a complete committed grid rebuilds no warm start
+    assert restore(clone, res) == {"search": 0}  # twice: nothing copied again
 
 
 @pytest.mark.cli  # the checker runs each analysis in a process of its own
