@@ -32,7 +32,8 @@ if "models" not in config:
 
 try:
     validate(config, "experiments/schema/config.schema.yaml")  # also fills in the schema's defaults
-    CELLS = check_config(config)  # the grids' cells by section, each run config validated once (rules/common.smk)
+    GRIDS = check_config(config)  # the grids' cells and process groups by section, made once (rules/common.smk)
+    CELLS = GRIDS.cells
 except WorkflowError:  # one line naming the key, not Snakemake's schema-and-config dump
     sys.exit(f"rpa config: error: {schema_problem(config, 'experiments/schema/config.schema.yaml')}")
 except PipelineConfigError as err:  # one line per invalid entry

@@ -3,9 +3,10 @@
 import re
 
 from rpa.workflow.pipeline import (GRID_SECTIONS, PipelineConfigError, attribution_job, diagnose_job, dose_points,
-                                   gguf_flags, gpu_shortfall, grid_groups, model_configs, model_kind, model_location,
-                                   parity_job, probe_job, prompts_flags, prompts_task, search_points, study_arm_names,
-                                   study_points, study_priorities, study_resources, tiny_flags, train_points)
+                                   gguf_flags, gpu_shortfall, model_configs, model_kind, model_location, parity_job,
+                                   probe_job, prompts_flags, prompts_task, search_points, search_stage,
+                                   study_arm_names, study_points, study_priorities, study_resources, tiny_flags,
+                                   train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -22,7 +23,8 @@ FIGURES = config["figures"]
 ENV = f"../envs/rpa-{config['env']}.yaml"
 DEVICE = config["device"]  # trainer side of parity / probe / diagnose
 GPU = config["gpus_per_job"]  # GPUs a parity / probe / diagnose job takes (0 on CPU)
-# CELLS (the Snakefile's check_config): every grid's cells, expanded and validated once
+# GRIDS, CELLS (the Snakefile's check_config): every grid's cells, expanded and validated once, and
+# their process groups
 TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"]
          for p in train_points(config, CELLS["train"])} if config.get("train") else {}
 DOSE = {p["cell"]: p["config"] for p in dose_points(config, CELLS["dose"])} if config.get("dose") else {}
@@ -30,8 +32,7 @@ DOSE_INIT = dict(CELLS["dose"][0].init.config) if CELLS["dose"] else None  # the
 STUDY = {p["cell"]: p for p in study_points(config, CELLS["study"])} if config.get("study") else {}
 # every grid's runs by process: `<section>/<group>` (its record's path under the results, less .json)
 # -> (section, Group), one `rpa train` process (one job) each
-GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in GRID_SECTIONS
-               if config.get(section) for g in grid_groups(config, section, CELLS[section])}
+GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in GRID_SECTIONS for g in GRIDS.groups[section]}
 STUDY_GROUPS = {key.removeprefix("study/"): [c.name for c in g.cells] for key, (section, g) in GRID_GROUPS.items()
                 if section == "study"}  # group -> its cells
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
@@ -53,7 +54,7 @@ def grid_records(section, stage=None):
     """The records of a grid's process groups (of one search ``stage`` only, if given): what its
     tables wait for."""
     return [f"{R}/{key}.json" for key, (s, g) in GRID_GROUPS.items()
-            if s == section and (stage is None or g.cells[0].name.split("/")[0] == stage)]
+            if s == section and (stage is None or search_stage(g.cells[0]) == stage)]
 
 
 def model_path(wildcards):

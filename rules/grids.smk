@@ -76,10 +76,9 @@ ANCIENT_START = {"search"}
 def search_resources(cell):
     """A search run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of
     its labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
-    point = SEARCH[cell]
-    res = config["search"]["stages"][point["stage"]].get("resources") or {}
+    res = config["search"]["stages"][search_stage(cell)].get("resources") or {}
     by_label = res.get("label_mem_mb", {})
-    labelled = [by_label[v] for v in point["labels"].values() if v in by_label]
+    labelled = [by_label[v] for v in cell.labels.values() if v in by_label]
     return {"mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
             "runtime": res.get("runtime", 120)}
 
@@ -92,7 +91,7 @@ def run_resources(section, cell):
     if section == "study":
         return study_resources(config, cell.labels["model"])
     if section == "search":
-        return {**base, **search_resources(cell.name)}
+        return {**base, **search_resources(cell)}
     return {**base, **config[section]["resources"]}  # train, dose: the schema's defaults filled in
 
 
@@ -132,7 +131,7 @@ def group_command(wildcards, input):
 def group_retries(record):
     section, group = GRID_GROUPS[record]
     if section == "search":
-        return config["search"]["stages"][group.cells[0].name.split("/")[0]]["transient_retries"]
+        return config["search"]["stages"][search_stage(group.cells[0])]["transient_retries"]
     return config[section]["transient_retries"]
 
 

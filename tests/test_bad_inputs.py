@@ -186,6 +186,17 @@ def test_duplicate_yaml_keys_and_a_warm_start_of_no_steps(capsys, model, tmp_pat
             absent=tmp_path / "ws")
 
 
+def test_merge_keys_are_read_and_a_duplicate_beside_one_is_still_refused():
+    """``<<: *anchor`` (the schema shares its grid knobs so) gives its keys, which the mapping's own
+    override; two of the mapping's own keys alike are still refused."""
+    from rpa.core.yamlfiles import YamlError, parse_yaml
+
+    text = "knobs: &k {a: 1, b: 2}\nsection:\n  <<: *k\n  b: 3\n"
+    assert parse_yaml(text, "x.yaml")["section"] == {"a": 1, "b": 3}
+    with pytest.raises(YamlError, match="x.yaml:5:3: duplicate key 'b'"):
+        parse_yaml(text + "  b: 4\n", "x.yaml")
+
+
 def test_a_directory_holding_another_commands_output_is_refused(capsys, model, tmp_path):
     """The one case that lost data: train into a finished probe's directory (and back) overwrote the
     other command's summary.json."""

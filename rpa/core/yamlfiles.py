@@ -1,6 +1,6 @@
 """YAML files as every rpa command reads them: safe loading, a duplicate key refused (YAML's own
-rule, which PyYAML does not enforce: the later key would silently win), and any error one line
-naming the file, line and column."""
+rule, which PyYAML does not enforce: the later key would silently win), merge keys (``<<``) as
+PyYAML reads them, and any error one line naming the file, line and column."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ class YamlError(InputError):
     """A YAML file that cannot be read as written (syntax, a duplicate key, not a file)."""
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+"""A merge key (``<<``), which PyYAML's safe loader resolves (the schema shares its grid knobs so)."""
+
+
 class _StrictLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a mapping with the same key twice."""
 
@@ -23,6 +27,8 @@ class _StrictLoader(yaml.SafeLoader):
 def _mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:  # `<<: *anchor`: its keys are defaults the mapping's own may override
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             mark = key_node.start_mark

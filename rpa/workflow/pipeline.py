@@ -9,7 +9,7 @@ problem names its entry (``probe.configs.fp32x: ...``) and all are reported at o
 from __future__ import annotations
 
 import shlex
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -256,10 +256,21 @@ GRID_SECTIONS = ("train", "dose", "study", "search")
 """The config sections that are grids of training runs (:mod:`rpa.workflow.grid`)."""
 
 
-def check_config(config: dict[str, Any]) -> dict[str, list[Cell]]:
+@dataclass(frozen=True)
+class CheckedGrids:
+    """What :func:`check_config` made of a config's grids, for the workflow to use as it is instead
+    of expanding, validating and grouping them again."""
+
+    cells: dict[str, list[Cell]]
+    """Each section's cells (``GRID_SECTIONS``; empty where the config has none), each run config
+    validated."""
+    groups: dict[str, list[Group]]
+    """Each section's cells by process (:func:`grid_groups`)."""
+
+
+def check_config(config: dict[str, Any]) -> CheckedGrids:
     """Raise :class:`PipelineConfigError` listing every invalid entry of ``config``; else return
-    the cells of its grids by section (each cell's run config validated, so the workflow uses
-    them as they are instead of expanding and validating the grids again)."""
+    its grids' cells and process groups by section."""
     problems: list[str] = []
     if not isinstance(config.get("results"), str) or not config["results"].strip():
         problems.append(f"results: must be a directory path (a string), got {config.get('results')!r}")
@@ -314,18 +325,19 @@ def check_config(config: dict[str, Any]) -> dict[str, list[Cell]]:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
     checks = {"train": _train_problems, "dose": _dose_problems, "study": _study_problems, "search": _search_problems}
     cells: dict[str, list[Cell]] = {section: [] for section in GRID_SECTIONS}
+    groups: dict[str, list[Group]] = {section: [] for section in GRID_SECTIONS}
     for section in GRID_SECTIONS:
         if config.get(section):
             found, cells[section] = checks[section](config)
             problems += found
             if not found:  # the groups read every run's numerics
                 try:
-                    grid_groups(config, section, cells[section])
+                    groups[section] = grid_groups(config, section, cells[section])
                 except ValueError as err:
                     problems.append(f"{section}: {err}")
     if problems:
         raise PipelineConfigError("invalid pipeline config:\n  " + "\n  ".join(problems))
-    return cells
+    return CheckedGrids(cells=cells, groups=groups)
 
 
 def _valid_numerics(numerics: dict[str, Any]) -> bool:
@@ -506,7 +518,7 @@ def grid_groups(config: dict[str, Any], section: str, cells: list[Cell]) -> list
     if section == "search":
         stages = config["search"]["stages"]
         return [g for stage, knobs in stages.items()
-                for g in group_cells([c for c in cells if c.name.split("/")[0] == stage],
+                for g in group_cells([c for c in cells if search_stage(c) == stage],
                                      int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))]
     knobs = config[section]
     return group_cells(cells, int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))
@@ -705,6 +717,11 @@ def search_grids(config: dict[str, Any]) -> list[Grid]:
             for name, stage in (search.get("stages") or {}).items()]
 
 
+def search_stage(cell: Cell) -> str:
+    """The search stage a cell of :func:`search_grids` belongs to (its grid is ``search/<stage>``)."""
+    return cell.grid.removeprefix("search/")
+
+
 def search_points(config: dict[str, Any], stage: str | None = None,
                   cells: list[Cell] | None = None) -> list[dict[str, Any]]:
     """Every cell of the search (of ``stage`` only, if given): ``cell`` (its directory under
@@ -713,10 +730,10 @@ def search_points(config: dict[str, Any], stage: str | None = None,
     config."""
     if cells is None:
         cells = [c for grid in search_grids(config) for c in expand(grid)]
-    return [{"cell": c.name, "stage": c.name.split("/")[0], "labels": dict(c.labels), "seed": c.seed,
+    return [{"cell": c.name, "stage": search_stage(c), "labels": dict(c.labels), "seed": c.seed,
              "model": c.model, "init": None if c.init is None else
              {"name": c.init.name, "dir": c.init.dir, "config": dict(c.init.config)}, "config": c.config}
-            for c in cells if stage is None or c.name.split("/")[0] == stage]
+            for c in cells if stage is None or search_stage(c) == stage]
 
 
 def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
