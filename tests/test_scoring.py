@@ -65,6 +65,35 @@ def test_chunked_training_scores_equal_the_plain_forward(tiny_dirs):
         assert ((a - b).norm() / b.norm()) < 1e-2
 
 
+def test_per_row_scoring_is_each_row_alone_without_its_padding(tiny_dirs):
+    """``trainer_batching: per_row``: each row of a TRL-shaped batch (prompts padded on the left,
+    completions on the right) scores as that row's tokens alone, bit for bit, with entropies and
+    gradients; its padded positions are 0, and a row with nothing to score runs no forward."""
+    from transformers import AutoModelForCausalLM
+
+    from rpa.measure.scoring import token_logps_and_entropy, token_logps_and_entropy_per_row
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.bfloat16, attn_implementation="eager")
+    prompt, completion = 9, 7
+    ids = torch.randint(3, 500, (4, prompt + completion), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros_like(ids)
+    spans = [(0, 7), (3, 2), (5, 5), (2, 0)]  # (left padding of the prompt, completion tokens)
+    for row, (left, kept) in enumerate(spans):
+        mask[row, left:prompt + kept] = 1
+    logps, ent = token_logps_and_entropy_per_row(model, ids, mask, completion, compute_entropy=True)
+    assert logps.shape == ent.shape == (4, completion)
+    for row, (left, kept) in enumerate(spans):
+        assert not logps[row, kept:].any() and not ent[row, kept:].any()
+        if kept:
+            alone = ids[row:row + 1, left:prompt + kept]
+            want, want_ent = token_logps_and_entropy(model, alone, torch.ones_like(alone), kept, compute_entropy=True)
+            assert torch.equal(logps[row, :kept], want[0]) and torch.equal(ent[row, :kept], want_ent[0])
+    logps.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    padded, _ = token_logps_and_entropy(model, ids, mask, completion)
+    assert not torch.equal(padded[2, :5], logps[2, :5].detach())  # control: a padded row is another computation
+
+
 def test_probe_batch_scoring_memory_is_bounded_at_qwen3_vocabulary(tmp_path):
     """256 completions at Qwen3's 151,936-token vocabulary: the probe's padded-batch scoring goes
     through the chunked training path, so its peak stays near one chunk of logits; the whole
@@ -79,3 +108,13 @@ def test_probe_batch_scoring_memory_is_bounded_at_qwen3_vocabulary(tmp_path):
     grew = peak["peak_mb"] - peak["base_mb"]
     print(f"batch scoring peak: +{grew:.0f} MB over the loaded model")
     assert grew < 2500, peak
+
+
+def test_the_per_row_bits_benchmark_runs_and_finds_the_tiny_models_rows_equal(tiny_dirs):
+    """``benchmarks/per_row_bits.py`` (SmolLM2's numbers are in docs/training.md): on the tiny Llama,
+    every sampled token's logprob is the per-row training forward's, bit for bit."""
+    proc = run_py(["benchmarks/per_row_bits.py", "--model", str(tiny_dirs["llama"]), "--tokens", "4"], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["head_rows"] for r in rows] == [2, 1]
+    assert all(r["tokens"] > 0 and r["bitwise_equal"] == r["tokens"] for r in rows), rows

@@ -710,14 +710,18 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
     """``rollouts: trainer`` with ``trainer_decode: recompute`` and ``attn_implementation: eager``: each
     token is sampled from a forward of the whole sequence so far, whose last row is bitwise the
     training forward's row, so every sampled token's logprob is the trainer's exactly -- the in-training
-    mismatch is 0 at every step (a mismatch-free BF16 control). Control: the same sampling with sdpa,
-    whose rows depend on the sequence length on CPU, is not 0."""
-    runs = {attention: _bf16_run(tiny_dirs, tmp_path, attention, steps=2, checkpoint_every=2, rollouts="trainer",
-                                 trainer_decode="recompute", attn_implementation=attention,
-                                 gradient_checkpointing=False)
-            for attention in ("eager", "sdpa")}
-    assert runs["eager"] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
-                                 for r in runs["eager"]), runs["eager"]
+    mismatch is 0 at every step (a mismatch-free BF16 control), in TRL's padded batches (the tiny
+    model's rows keep their bits there) and with ``trainer_batching: per_row`` (each sequence sampled
+    and scored alone, unpadded: what makes it so where padding changes a row's bits, as on SmolLM2).
+    Control: the same sampling with sdpa, whose rows depend on the sequence length on CPU, is not 0."""
+    arms = {"eager": ("eager", "padded"), "per_row": ("eager", "per_row"), "sdpa": ("sdpa", "padded")}
+    runs = {name: _bf16_run(tiny_dirs, tmp_path, name, steps=2, checkpoint_every=2, rollouts="trainer",
+                            trainer_decode="recompute", attn_implementation=attention, trainer_batching=batching,
+                            gradient_checkpointing=False)
+            for name, (attention, batching) in arms.items()}
+    for name in ("eager", "per_row"):
+        assert runs[name] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
+                                  for r in runs[name]), runs[name]
     assert max(r["mismatch/mean_abs_dlogp"] for r in runs["sdpa"]) > 0
 
 
@@ -727,6 +731,8 @@ def test_recompute_sampling_and_eager_attention_refuse_what_they_cannot_mean():
     with pytest.raises(TrainConfigError, match="replaces the attention that numerics.trainer_attention: fp32"):
         TrainConfig.from_dict({"model": "m", **BASE, "attn_implementation": "eager",
                                "numerics": {"regions": "all", "trainer_attention": "fp32"}})
+    with pytest.raises(TrainConfigError, match="trainer_batching: 'unpadded' is not one of padded, per_row"):
+        TrainConfig.from_dict({"model": "m", **BASE, "trainer_batching": "unpadded"})
     with pytest.raises(TrainConfigError, match="trainer_decode: 'none' is not one of cached, recompute"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "trainer_decode": "none"})
 

@@ -260,6 +260,34 @@ class _ChunkedHead:
         return torch.stack([torch.cat(picked), torch.cat(ents)], dim=-1).view(batch, -1, 2)
 
 
+def token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_keep: int,
+                                    temperature: float = 1.0, compute_entropy: bool = False,
+                                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """:func:`token_logps_and_entropy` of each sequence alone, its padding cut off: one forward per
+    row of the tokens its ``attention_mask`` keeps (one contiguous span: prompts padded on the left,
+    completions on the right), so that a row's bits do not depend on how long the other rows of its
+    batch are. The padded positions of the last ``logits_to_keep`` get 0 (they are masked out)."""
+    import torch
+
+    logps, entropies = [], []
+    for row in range(input_ids.size(0)):
+        kept = attention_mask[row].nonzero()[:, 0]
+        start, end = (int(kept[0]), int(kept[-1]) + 1) if kept.numel() else (0, 0)
+        completion = max(0, end - (input_ids.size(1) - logits_to_keep))  # kept tokens among the scored
+        if completion == 0:  # nothing of this row is scored: no forward
+            logp = torch.zeros(1, 0, device=input_ids.device)
+            ent = logp
+        else:
+            ids = input_ids[row:row + 1, start:end]
+            logp, ent = token_logps_and_entropy(model, ids, torch.ones_like(ids), completion, temperature,
+                                                1, compute_entropy, chunk_tokens)
+        pad = (0, logits_to_keep - completion)
+        logps.append(torch.nn.functional.pad(logp, pad))
+        if compute_entropy:
+            entropies.append(torch.nn.functional.pad(ent if ent is not None else logp, pad))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
+
+
 def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
                             batch_size: int | None = None, compute_entropy: bool = False,
                             chunk_tokens: int = LOGPROB_CHUNK_TOKENS):

@@ -28,6 +28,9 @@ TrainerDecode = Literal["cached", "recompute"]
 """How ``rollouts: trainer`` samples: KV-cached decoding, or one forward of the whole prefix per token."""
 AttnImplementation = Literal["sdpa", "eager"]
 """The trainer's attention kernel (transformers' ``attn_implementation``)."""
+TrainerBatching = Literal["padded", "per_row"]
+"""How the trainer lays out the sequences it scores (and, with ``rollouts: trainer``, samples): TRL's
+padded batches, or each sequence alone without its padding."""
 LrSchedule = Literal["linear", "constant", "cosine"]
 """``lr_scheduler_type`` values (transformers' names): ``linear`` decays to 0 (TRL's default)."""
 ScaleRewards = Literal["group", "batch", "none"]
@@ -204,7 +207,15 @@ class TrainConfig:
                 "forward's own computation; its cost grows with the square of the length). With "
                 "``attn_implementation: eager`` the sampling policy is then the trained one bit for bit where the "
                 "training batch lays a row out as sampling did (the tiny models' test); SmolLM2 in TRL's padded "
-                "training batches is not there yet (a row padded differently keeps 74% of its tokens' bits)."})
+                "training batches only with ``trainer_batching: per_row`` (a row padded differently keeps 74% of "
+                "its tokens' bits)."})
+    trainer_batching: TrainerBatching = field(default="padded", metadata={
+        "help": "How the trainer lays out the sequences it scores (old logprobs and the loss) and, with ``rollouts: "
+                "trainer``, samples: ``padded`` (TRL's batches: prompts padded on the left, completions on the "
+                "right; with trainer rollouts the prompts of a generation sampled as one left-padded batch) or "
+                "``per_row`` (each sequence alone, its padding cut off, one forward per sequence -- slower; a row's "
+                "bits then do not depend on the other rows' lengths, and recompute sampling predicts each token "
+                "from a head of at least two rows, as the training forward's)."})
     attn_implementation: AttnImplementation = field(default="sdpa", metadata={
         "help": "The trainer's attention kernel (transformers' ``attn_implementation``): ``sdpa`` (PyTorch's fused "
                 "kernel; on CPU a row's bits depend on the sequence length it is computed in) or ``eager`` (matmul, "

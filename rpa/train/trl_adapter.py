@@ -37,7 +37,7 @@ from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
 from rpa.measure.metrics import mismatch_metrics
-from rpa.measure.scoring import sync_gap, token_logps_and_entropy
+from rpa.measure.scoring import sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
 from rpa.train.loss_scale import DynamicLossScale
 from rpa.train.sync_check import check_sync_result, sync_threshold
@@ -243,13 +243,34 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     the mask) -- KV-cached decoding (``trainer_decode: cached``: mu is pi up to decode-vs-recompute
     rounding) or one forward of the whole sequence so far per token (``recompute``: the training
     forward's computation; with eager attention mu is pi bit for bit where the training batch lays a
-    row out as sampling did). TRL's ``rollout_func`` contract: one completion per prompt of the batch
-    (the prompts come repeated ``num_generations`` times), with the decode-time log-probability of each sampled
+    row out as sampling did: ``trainer_batching: per_row`` samples and scores each sequence alone).
+    TRL's ``rollout_func`` contract: one completion per prompt of the batch (the prompts come repeated
+    ``num_generations`` times), with the decode-time log-probability of each sampled
     token -- FP32 log-softmax of the raw logits at the sampling temperature, as vLLM reports it --
     which TRL makes ``sampling_per_token_logps``."""
     import torch
 
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)  # exactly as TRL tokenizes for its engine
+    cfg = trainer.rpa_config
+    if cfg.trainer_batching == "per_row":  # each prompt alone, unpadded, as per-row scoring lays it out
+        completion_ids, logprobs = [], []
+        for p in prompt_ids:
+            tokens, logps = _trainer_sample(trainer, [p], recompute_rows=2 if cfg.trainer_decode == "recompute" else 1)
+            completion_ids += tokens
+            logprobs += logps
+    else:
+        completion_ids, logprobs = _trainer_sample(trainer, prompt_ids, recompute_rows=1)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def _trainer_sample(trainer, prompt_ids: list[list[int]], recompute_rows: int) -> tuple[list, list]:
+    """The trainer's completions of ``prompt_ids`` as one left-padded batch (positions from the mask),
+    and each sampled token's decode-time logprob. ``recompute_rows``: without a cache, the positions
+    whose logits each step computes (the last one samples): 2 keeps the LM head off a one-row matmul,
+    whose bits may differ from the same row's in the training forward's head of many rows (on the
+    2-core CPU they do not: SmolLM2, 143 of 143 tokens; docs/training.md)."""
+    import torch
+
     tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompt_ids))
@@ -260,13 +281,14 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
     config = trainer.generation_config  # TRL's sampling settings (temperature, top_k 0, top_p 1, max_new_tokens)
+    cached = trainer.rpa_config.trainer_decode == "cached"
+    extra = {} if cached or recompute_rows == 1 else {"logits_to_keep": min(recompute_rows, width)}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                                 output_logits=True, return_dict_in_generate=True,
-                                 use_cache=trainer.rpa_config.trainer_decode == "cached")
+                                 output_logits=True, return_dict_in_generate=True, use_cache=cached, **extra)
     finally:
         model.train(was_training)
     new = out.sequences[:, width:]
@@ -283,7 +305,7 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
                 break
         completion_ids.append(tokens)
         logprobs.append(logps)
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+    return completion_ids, logprobs
 
 
 def tied_lm_head(model, names: list[str], dtype) -> list[tuple[str, Any]]:
@@ -464,9 +486,14 @@ class RpaGRPOTrainer(GRPOTrainer):
             raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
         phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
         with self.rpa_timings.phase(phase), self.accelerator.autocast():
-            logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
-                                                     self.temperature, batch_size, compute_entropy,
-                                                     chunk_tokens=self.rpa_config.logprob_chunk_tokens)
+            if self.rpa_config.trainer_batching == "per_row":  # each sequence alone, unpadded
+                logps, entropy = token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_keep,
+                                                                 self.temperature, compute_entropy,
+                                                                 self.rpa_config.logprob_chunk_tokens)
+            else:
+                logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
+                                                         self.temperature, batch_size, compute_entropy,
+                                                         chunk_tokens=self.rpa_config.logprob_chunk_tokens)
         return logps, entropy, None
 
     def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
