@@ -237,6 +237,12 @@ def _evaluation_callback(trainer):
     return ScheduledEvaluation()
 
 
+RECOMPUTE_HEAD_ROWS = 2
+"""Per-row recompute sampling (``trainer_batching: per_row``): the positions each step's LM head runs
+on (the last one samples) -- at least two, as in the training forward's head, never a one-row matmul
+whose bits a backend may compute another way (this CPU does not: docs/training.md)."""
+
+
 def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     """The self-sampled BF16 arm's rollouts (``rollouts: trainer``): the trainer samples its own
     completions with its own compute path (the aligned/cast HF model, left padding with positions from
@@ -248,14 +254,13 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
     ``num_generations`` times), with the decode-time log-probability of each sampled
     token -- FP32 log-softmax of the raw logits at the sampling temperature, as vLLM reports it --
     which TRL makes ``sampling_per_token_logps``."""
-    import torch
-
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)  # exactly as TRL tokenizes for its engine
     cfg = trainer.rpa_config
     if cfg.trainer_batching == "per_row":  # each prompt alone, unpadded, as per-row scoring lays it out
+        rows = RECOMPUTE_HEAD_ROWS if cfg.trainer_decode == "recompute" else 1
         completion_ids, logprobs = [], []
         for p in prompt_ids:
-            tokens, logps = _trainer_sample(trainer, [p], recompute_rows=2 if cfg.trainer_decode == "recompute" else 1)
+            tokens, logps = _trainer_sample(trainer, [p], recompute_rows=rows)
             completion_ids += tokens
             logprobs += logps
     else:
@@ -266,9 +271,7 @@ def trainer_rollout(prompts: list, trainer) -> dict[str, list]:
 def _trainer_sample(trainer, prompt_ids: list[list[int]], recompute_rows: int) -> tuple[list, list]:
     """The trainer's completions of ``prompt_ids`` as one left-padded batch (positions from the mask),
     and each sampled token's decode-time logprob. ``recompute_rows``: without a cache, the positions
-    whose logits each step computes (the last one samples): 2 keeps the LM head off a one-row matmul,
-    whose bits may differ from the same row's in the training forward's head of many rows (on the
-    2-core CPU they do not: SmolLM2, 143 of 143 tokens; docs/training.md)."""
+    whose logits each step computes (the last one samples; :data:`RECOMPUTE_HEAD_ROWS`)."""
     import torch
 
     tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
