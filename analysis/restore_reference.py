@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, type=Path, help="the results folder the workflow writes")
     args = parser.parse_args(argv)
     if not any((args.reference / f).is_dir() for f in FOLDERS):
-        raise SystemExit(f"restore: {args.reference} has no {', '.join(FOLDERS)} folder of runs")
+        parser.error(f"{args.reference} has no {', '.join(FOLDERS)} folder of runs")  # exit 2, nothing written
     copied = restore(args.reference, args.results)
     print("restore: " + ", ".join(f"{folder} {n} files" for folder, n in copied.items()) + f" -> {args.results}")
     return 0

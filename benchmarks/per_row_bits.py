@@ -39,17 +39,12 @@ def sample_alone(model, tokenizer, prompt: str, tokens: int, head_rows: int) -> 
 def compare(model, tokenizer, tokens: int, head_rows: int) -> dict:
     import torch
 
-    from rpa.measure.scoring import token_logps_and_entropy_per_row
+    from rpa.measure.scoring import token_logps_and_entropy_per_row, trl_batch
 
     start = time.time()
     rows = [sample_alone(model, tokenizer, p, tokens, head_rows) for p in PROMPTS]
-    width_p, width_c = max(len(p) for p, _, _ in rows), max(len(c) for _, c, _ in rows)
-    ids = torch.full((len(rows), width_p + width_c), tokenizer.eos_token_id)
-    mask = torch.zeros_like(ids)
-    for r, (p, c, _) in enumerate(rows):  # TRL's layout
-        ids[r, width_p - len(p):width_p] = torch.tensor(p)
-        ids[r, width_p:width_p + len(c)] = torch.tensor(c)
-        mask[r, width_p - len(p):width_p + len(c)] = 1
+    ids, mask, width_c = trl_batch([{"prompt_ids": p, "completion_ids": c} for p, c, _ in rows],
+                                   tokenizer.eos_token_id)
     with torch.no_grad():
         pi, _ = token_logps_and_entropy_per_row(model, ids, mask, width_c)
     pairs = [(float(pi[r, j]), mu) for r, (_, _, logps) in enumerate(rows) for j, mu in enumerate(logps)]

@@ -243,6 +243,15 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
     assert restore(clone, res) == {"search": 0}  # twice: nothing copied again
 
 
+def test_restoring_from_a_folder_without_runs_is_refused(tmp_path, capsys):
+    from analysis.restore_reference import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--reference", str(tmp_path / "nothing"), "--results", str(tmp_path / "r")])
+    assert stop.value.code == 2 and "has no search, dose, study folder of runs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.cli  # the checker runs each analysis in a process of its own
 def test_check_reference_finds_a_table_that_its_raw_runs_do_not_give(tmp_path, capsys):
     """``analysis.check_reference`` passes on the committed search results and names a table that was

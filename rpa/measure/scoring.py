@@ -177,6 +177,24 @@ def trainer_decode_logprobs(model, prompt_ids: list[int], completion_ids: list[i
     return picked
 
 
+def trl_batch(completions, pad_id: int):
+    """``completions`` (each with ``prompt_ids`` and ``completion_ids``) laid out as TRL lays out a
+    batch: prompts padded on the left, completions on the right, ``pad_id`` in between. The ids, the
+    attention mask and the completions' width (the scored positions at the end of each row)."""
+    import torch
+
+    p_len = max(len(c["prompt_ids"]) for c in completions)
+    c_len = max(len(c["completion_ids"]) for c in completions)
+    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(completions):
+        p, y = c["prompt_ids"], c["completion_ids"]
+        ids[i, p_len - len(p): p_len] = torch.tensor(p)
+        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
+        mask[i, p_len - len(p): p_len + len(y)] = 1
+    return ids, mask, c_len
+
+
 def trainer_batch_logprobs(model, completions, pad_id: int, batch_size: int | None = None,
                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> list[list[float]]:
     """All sequences laid out as TRL lays out a batch: prompts left-padded, completions
@@ -188,15 +206,7 @@ def trainer_batch_logprobs(model, completions, pad_id: int, batch_size: int | No
     import torch
 
     device = next(model.parameters()).device
-    p_len = max(len(c["prompt_ids"]) for c in completions)
-    c_len = max(len(c["completion_ids"]) for c in completions)
-    ids = torch.full((len(completions), p_len + c_len), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, c in enumerate(completions):
-        p, y = c["prompt_ids"], c["completion_ids"]
-        ids[i, p_len - len(p): p_len] = torch.tensor(p)
-        ids[i, p_len: p_len + len(y)] = torch.tensor(y)
-        mask[i, p_len - len(p): p_len + len(y)] = 1
+    ids, mask, c_len = trl_batch(completions, pad_id)
     with torch.no_grad():
         logp, _ = token_logps_and_entropy(model, ids.to(device), mask.to(device), c_len, batch_size=batch_size,
                                           chunk_tokens=chunk_tokens)
@@ -275,8 +285,7 @@ def token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_
         start, end = (int(kept[0]), int(kept[-1]) + 1) if kept.numel() else (0, 0)
         completion = max(0, end - (input_ids.size(1) - logits_to_keep))  # kept tokens among the scored
         if completion == 0:  # nothing of this row is scored: no forward
-            logp = torch.zeros(1, 0, device=input_ids.device)
-            ent = logp
+            logp = ent = torch.zeros(1, 0, device=input_ids.device)
         else:
             ids = input_ids[row:row + 1, start:end]
             logp, ent = token_logps_and_entropy(model, ids, torch.ones_like(ids), completion, temperature,
@@ -284,7 +293,7 @@ def token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_
         pad = (0, logits_to_keep - completion)
         logps.append(torch.nn.functional.pad(logp, pad))
         if compute_entropy:
-            entropies.append(torch.nn.functional.pad(ent if ent is not None else logp, pad))
+            entropies.append(torch.nn.functional.pad(ent, pad))
     return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
 
 

@@ -37,7 +37,7 @@ from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
 from rpa.measure.metrics import mismatch_metrics
-from rpa.measure.scoring import sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row
+from rpa.measure.scoring import sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row, trl_batch
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
 from rpa.train.loss_scale import DynamicLossScale
 from rpa.train.sync_check import check_sync_result, sync_threshold
@@ -276,16 +276,13 @@ def _trainer_sample(trainer, prompt_ids: list[list[int]], recompute_rows: int) -
 
     tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(map(len, prompt_ids))
     device = next(model.parameters()).device
-    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompt_ids):  # left padding, as TRL's own generation lays the batch out
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+    # left padding, as TRL's own generation lays the batch out
+    ids, mask, _ = trl_batch([{"prompt_ids": p, "completion_ids": []} for p in prompt_ids], pad)
+    width = ids.size(1)
     config = trainer.generation_config  # TRL's sampling settings (temperature, top_k 0, top_p 1, max_new_tokens)
     cached = trainer.rpa_config.trainer_decode == "cached"
-    extra = {} if cached or recompute_rows == 1 else {"logits_to_keep": min(recompute_rows, width)}
+    extra = {} if cached else {"logits_to_keep": min(recompute_rows, width)}  # generate's default: 1
     was_training = model.training
     model.eval()
     try:
