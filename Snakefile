@@ -6,10 +6,11 @@
 #   snakemake study paper --cores 2 --configfile experiments/study-cpu.yaml   # the CPU miniature
 #   snakemake study --workflow-profile experiments/profiles/slurm --configfile experiments/study.yaml
 #   snakemake collapse_pilot --cores 2 --configfile experiments/collapse-cpu.yaml  # natural-collapse search
+#   snakemake grids --cores 2 --configfile my-grids.yaml        # every entry of a grids: section
 #   (a --configfile replaces experiments/config.yaml; it is not merged into it)
 #
 # Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk); the runs
-# of every grid (GRPO grid, positive control, study, collapse search) in rules/grids.smk.
+# of every grid (GRPO grid, positive control, study, collapse search, grids: entries) in rules/grids.smk.
 # The config is validated twice before any job starts: its shape against
 # experiments/schema/config.schema.yaml (which also holds every default), its meaning by
 # rpa.workflow.pipeline.check_config.
@@ -64,4 +65,5 @@ include: "rules/dose.smk"
 include: "rules/study.smk"
 include: "rules/search.smk"
 include: "rules/grids.smk"
+include: "rules/entries.smk"
 include: "rules/paper.smk"

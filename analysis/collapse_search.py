@@ -86,11 +86,13 @@ def _max(m: pd.DataFrame, key: str):
     return float(m[key].max()) if key in m and m[key].notna().any() else None
 
 
-def load_runs(results: Path, manifest: dict, reward_steps: int = 3) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(one row per expected cell, per-step metrics of every run with a log)."""
+def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
+              section: str = "search") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(one row per expected cell, per-step metrics of every run with a log); the cells' directories
+    are under ``results/<section>`` (``grids`` for an entry of ``grids:``, :mod:`analysis.grid_summary`)."""
     rows, curves = [], []
     for c in manifest["cells"]:
-        run = load_run(results / "search" / c["cell"])
+        run = load_run(results / section / c["cell"])
         row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": run.state}
         if run.summary is not None:
             row.update(status=run.status, wall_s=run.summary.get("wall_s"))

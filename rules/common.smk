@@ -2,11 +2,11 @@
 
 import re
 
-from rpa.workflow.pipeline import (GRID_SECTIONS, PipelineConfigError, attribution_job, diagnose_job, dose_points,
-                                   gguf_flags, gpu_shortfall, model_configs, model_kind, model_location, parity_job,
-                                   probe_job, prompts_flags, prompts_task, search_points, search_stage,
-                                   study_arm_names, study_points, study_priorities, study_resources, tiny_flags,
-                                   train_points)
+from rpa.workflow.pipeline import (GRID_SECTIONS, MULTI_GRID_SECTIONS, PipelineConfigError, attribution_job,
+                                   diagnose_job, dose_points, gguf_flags, gpu_shortfall, grid_entries, grid_stage,
+                                   model_configs, model_kind, model_location, parity_job, probe_job, prompts_flags,
+                                   prompts_task, search_points, study_arm_names, study_points, study_priorities,
+                                   study_resources, tiny_flags, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -51,10 +51,10 @@ wildcard_constraints:
 
 
 def grid_records(section, stage=None):
-    """The records of a grid's process groups (of one search ``stage`` only, if given): what its
-    tables wait for."""
+    """The records of a grid's process groups (of one entry ``stage`` of a section of several grids only,
+    if given: a search stage, a `grids` entry): what its tables wait for."""
     return [f"{R}/{key}.json" for key, (s, g) in GRID_GROUPS.items()
-            if s == section and (stage is None or search_stage(g.cells[0]) == stage)]
+            if s == section and (stage is None or grid_stage(g.cells[0]) == stage)]
 
 
 def model_path(wildcards):

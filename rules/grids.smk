@@ -4,7 +4,8 @@
 # (`<grid>/<group>.json`, its record: rpa.workflow.runs). The targets, manifests and tables of each
 # grid are in its stage file.
 
-# every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`
+# every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`,
+# `grids/...`
 GRID_CELLS = {f"{section}/{c.name}": c for section in GRID_SECTIONS for c in CELLS[section]}
 # every shared warm start by its directory under the results, with the cells that start from it
 GRID_WARM_STARTS = {}
@@ -65,21 +66,23 @@ rule grid_warm_start:
 
 # ---------------------------------------------------------------- the runs, one process per group
 
-# where a grid's finished runs keep their start as `ancient` input: the search's warm starts are named
-# by what they read (search/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
+# where a grid's finished runs keep their start as `ancient` input: the warm starts of the search and of
+# the `grids` entries are named by what they read (<section>/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
 # runs restored into place (analysis.restore_reference) are not made stale by it; the other grids'
 # fixed init directories (dose/init, study/<model>/init) can be rebuilt from changed settings, which
 # must rerun their runs
-ANCIENT_START = {"search"}
+ANCIENT_START = {"search", "grids"}
 
 
-def search_resources(cell):
-    """A search run's memory and minutes: its stage's ``resources`` (the largest ``label_mem_mb`` of
-    its labels, else ``mem_mb``, else the config's ``job_mem_mb``)."""
-    res = config["search"]["stages"][search_stage(cell)].get("resources") or {}
+def entry_resources(section, cell):
+    """A run's memory and minutes in a section of several grids (a search stage, a `grids` entry): its
+    entry's ``resources`` (the largest ``label_mem_mb`` of its labels, else ``mem_mb``, else the
+    config's ``job_mem_mb``; a `grids` entry's ``gpu`` and ``cpus_per_task`` too)."""
+    res = grid_entries(config, section)[grid_stage(cell)].get("resources") or {}
     by_label = res.get("label_mem_mb", {})
     labelled = [by_label[v] for v in cell.labels.values() if v in by_label]
-    return {"mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
+    return {**{k: res[k] for k in ("gpu", "cpus_per_task") if k in res},
+            "mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
             "runtime": res.get("runtime", 120)}
 
 
@@ -90,8 +93,8 @@ def run_resources(section, cell):
     base = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}  # a run on the CPU, in one process
     if section == "study":
         return study_resources(config, cell.labels["model"])
-    if section == "search":
-        return {**base, **search_resources(cell)}
+    if section in MULTI_GRID_SECTIONS:
+        return {**base, **entry_resources(section, cell)}
     return {**base, **config[section]["resources"]}  # train, dose: the schema's defaults filled in
 
 
@@ -130,8 +133,8 @@ def group_command(wildcards, input):
 
 def group_retries(record):
     section, group = GRID_GROUPS[record]
-    if section == "search":
-        return config["search"]["stages"][search_stage(group.cells[0])]["transient_retries"]
+    if section in MULTI_GRID_SECTIONS:
+        return grid_entries(config, section)[grid_stage(group.cells[0])]["transient_retries"]
     return config[section]["transient_retries"]
 
 

@@ -252,8 +252,12 @@ def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
     return f"{where}: {error.message.splitlines()[0][:200]}"
 
 
-GRID_SECTIONS = ("train", "dose", "study", "search")
-"""The config sections that are grids of training runs (:mod:`rpa.workflow.grid`)."""
+GRID_SECTIONS = ("train", "dose", "study", "search", "grids")
+"""The config sections that are grids of training runs (:mod:`rpa.workflow.grid`): ``grids`` holds
+entries in the one shape (:func:`grid_of`) as written; the others are sections of their own that
+:func:`train_spec`, :func:`dose_spec`, :func:`study_spec` and :func:`search_grids` turn into it."""
+MULTI_GRID_SECTIONS = ("search", "grids")
+"""The sections of several grids, one per entry (:func:`grid_entries`)."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +327,8 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
-    checks = {"train": _train_problems, "dose": _dose_problems, "study": _study_problems, "search": _search_problems}
+    checks = {"train": _train_problems, "dose": _dose_problems, "study": _study_problems, "search": _search_problems,
+              "grids": _grids_problems}
     cells: dict[str, list[Cell]] = {section: [] for section in GRID_SECTIONS}
     groups: dict[str, list[Group]] = {section: [] for section in GRID_SECTIONS}
     for section in GRID_SECTIONS:
@@ -372,13 +377,62 @@ def _located_models(config: dict[str, Any]) -> dict[str, str]:
     return {name: model_location(config, name) for name in config.get("models") or {}}
 
 
-def train_grid(config: dict[str, Any]) -> Grid:
-    """The GRPO grid of one model: settings x region sets x seeds, ``<model>/<setting>/<regions>/seed<N>``."""
+def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: str | None = None,
+            bases: dict[str, Any] | None = None) -> Grid:
+    """One grid entry as a :class:`~rpa.workflow.grid.Grid`: the one shape every experiment has --
+    an entry of ``grids:`` or a stage of ``search.stages`` as written, and what :func:`train_spec`,
+    :func:`dose_spec` and :func:`study_spec` make of their sections. Its keys (docs/pipeline.md#grids):
+
+    * ``base`` (a run YAML), ``overrides`` (run-config overrides of every cell), ``seeds``;
+    * ``axes``: axis -> {label: run-config overrides}, every combination a cell, merged in the order written;
+    * ``exclude``: [{axis: [labels]}], the label combinations left out; ``path``: a cell's directory as a
+      template over its labels (default: the labels joined by ``/``); ``replace``: keys an axis value sets
+      whole;
+    * ``shared_warm_start``: false; true (one ``rpa warm-start`` per model, warm-start settings and seed,
+      ``<section>/init/<model>-ws<steps>-seed<N>-<digest>``); or {``level``, ``directory`` (under the
+      results), ``only_with_steps``} (:class:`~rpa.workflow.grid.SharedWarmStart`).
+
+    A ``grids:`` entry takes every key but ``replace`` and the mapping form of ``shared_warm_start``
+    (fixed warm-start folders, which the positive control and the study use: their runs rerun when the
+    warm start is rebuilt, where a digest-named one is the same checkpoint). Cells are ``<section>/[<stage>/]<labels>/seed<N>`` under the results; ``bases``: run YAMLs already
+    read, by path (each read once)."""
+    bases = {} if bases is None else bases
+    if spec["base"] not in bases:
+        bases[spec["base"]] = load_yaml(spec["base"])
+    shared = spec.get("shared_warm_start") or False
+    if shared is True:
+        shared = {"level": CELL, "directory": f"{section}/init/{{model_name}}-ws{{steps}}-seed{{seed}}-{{digest}}"}
+    warm_start = None if not shared else SharedWarmStart(
+        level=shared.get("level", CELL), directory=f"{config['results']}/{shared['directory']}",
+        only_with_steps=shared.get("only_with_steps", True))
+    return Grid(name=section if stage is None else f"{section}/{stage}", base=bases[spec["base"]],
+                overrides=spec.get("overrides") or {},
+                axes=tuple(Axis(axis, values) for axis, values in (spec.get("axes") or {}).items()),
+                seeds=tuple(spec["seeds"]),
+                exclude=tuple({axis: tuple(labels) for axis, labels in rule.items()} for rule in spec.get("exclude") or ()),
+                models=_located_models(config), prefix=() if stage is None else (stage,), path=spec.get("path"),
+                warm_start=warm_start, replaced=tuple(spec.get("replace") or ()))
+
+
+def grid_stage(cell: Cell) -> str | None:
+    """The entry of a section of several grids (``search``, ``grids``) a cell belongs to: its grid
+    is ``<section>/<entry>``; None for a section of one grid."""
+    return cell.grid.partition("/")[2] or None
+
+
+def train_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section as a grid entry (:func:`grid_of`): settings x region sets x seeds,
+    ``<model>/<setting>/<regions>/seed<N>``."""
     train = config["train"]
-    return Grid(name="train", base=load_yaml(train["base"]), overrides={"model": train["model"]},
-                axes=(Axis("setting", train["settings"]),
-                      Axis("regions", {region_label(r): {"numerics": {"regions": r}} for r in train["regions"]})),
-                seeds=tuple(train["seeds"]), models=_located_models(config), prefix=(train["model"],))
+    return {"base": train["base"], "overrides": {"model": train["model"]}, "seeds": train["seeds"],
+            "axes": {"setting": train["settings"],
+                     "regions": {region_label(r): {"numerics": {"regions": r}} for r in train["regions"]}},
+            "path": f"{train['model']}/{{setting}}/{{regions}}"}
+
+
+def train_grid(config: dict[str, Any]) -> Grid:
+    """The GRPO grid of one model (:func:`train_spec`)."""
+    return grid_of(config, "train", train_spec(config))
 
 
 def train_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
@@ -423,13 +477,13 @@ def dose_label(dose) -> str:
     return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
 
 
-def dose_grid(config: dict[str, Any]) -> Grid:
-    """The positive control: arms (the sampler-only doses on the base's numerics, then the x-axis
-    anchors, each a numerics configuration in full) x IS correction x old-logprob source x seeds,
-    ``<arm>/<is_correction>-<old_logprobs>/seed<N>``, every cell from one shared warm start
-    (``dose/init``). Left out: an IS correction with the sampler's old logprobs (the correction
-    would be applied twice: TrainConfig refuses it), and the anchors with a correction (an
-    anchor runs uncorrected)."""
+def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``dose:`` section as a grid entry (:func:`grid_of`), the positive control: arms (the
+    sampler-only doses on the base's numerics, then the x-axis anchors, each a numerics configuration
+    in full) x IS correction x old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``,
+    every cell from one shared warm start (``dose/init``). Left out: an IS correction with the
+    sampler's old logprobs (the correction would be applied twice: TrainConfig refuses it), and the
+    anchors with a correction (an anchor runs uncorrected)."""
     dose = config["dose"]
     base = load_yaml(dose["base"])
     doses = {dose_label(d): {"numerics": {
@@ -438,19 +492,21 @@ def dose_grid(config: dict[str, Any]) -> Grid:
         for d in dose["doses"]}
     anchors = {name: {"numerics": numerics} for name, numerics in (dose.get("anchors") or {}).items()}
     corrections = list(dict.fromkeys([*dose["is_corrections"], "off"]))
-    applied = tuple(c for c in corrections if c != "off")
-    exclude = [{"is_correction": applied, "old_logprobs": ("sampler",)},
-               {"arm": tuple(anchors), "is_correction": applied}]
+    applied = [c for c in corrections if c != "off"]
+    exclude = [{"is_correction": applied, "old_logprobs": ["sampler"]}, {"arm": list(anchors), "is_correction": applied}]
     if "off" not in dose["is_corrections"]:  # listed for the anchors only
-        exclude.append({"arm": tuple(doses), "is_correction": ("off",)})
-    return Grid(name="dose", base=base, overrides={"model": dose["model"]},
-                axes=(Axis("arm", {**doses, **anchors}),
-                      Axis("is_correction", {c: {"is_correction": c} for c in corrections}),
-                      Axis("old_logprobs", {o: {"old_logprobs": o} for o in dose["old_logprobs"]})),
-                seeds=tuple(dose["seeds"]), exclude=tuple(exclude), models=_located_models(config),
-                path="{arm}/{is_correction}-{old_logprobs}", replaced=("numerics",),
-                warm_start=SharedWarmStart(level=BASE, directory=f"{config['results']}/dose/init",
-                                           only_with_steps=False))
+        exclude.append({"arm": list(doses), "is_correction": ["off"]})
+    return {"base": dose["base"], "overrides": {"model": dose["model"]}, "seeds": dose["seeds"],
+            "axes": {"arm": {**doses, **anchors},
+                     "is_correction": {c: {"is_correction": c} for c in corrections},
+                     "old_logprobs": {o: {"old_logprobs": o} for o in dose["old_logprobs"]}},
+            "exclude": exclude, "path": "{arm}/{is_correction}-{old_logprobs}", "replace": ["numerics"],
+            "shared_warm_start": {"level": BASE, "directory": "dose/init", "only_with_steps": False}}
+
+
+def dose_grid(config: dict[str, Any]) -> Grid:
+    """The positive control (:func:`dose_spec`)."""
+    return grid_of(config, "dose", dose_spec(config))
 
 
 def dose_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
@@ -484,10 +540,11 @@ def _dose_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
 # ------------------------------------------------------------------------------ the study
 
 
-def study_grid(config: dict[str, Any]) -> Grid:
-    """The study: models (the base with each size's settings) x arms x seeds,
-    ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only on that model. Models
-    with a shared warm start (``warm_start.steps`` > 0) start from ``study/<model>/init``."""
+def study_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``study:`` section as a grid entry (:func:`grid_of`): models (the base with each size's
+    settings) x arms x seeds, ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only
+    on that model. Models with a shared warm start (``warm_start.steps`` > 0) start from
+    ``study/<model>/init``."""
     study = config["study"]
     sizes, own = study.get("sizes") or {}, study.get("size_arms") or {}
     arms = {name: {} for name in study_arm_names(study)}
@@ -495,13 +552,17 @@ def study_grid(config: dict[str, Any]) -> Grid:
         arms.update(study_arms(study, model))
     owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})}
               for arm in arms if arm not in study["arms"]}
-    exclude = tuple({"model": tuple(m for m in study["models"] if m not in models), "arm": (arm,)}
-                    for arm, models in owners.items())
-    return Grid(name="study", base=load_yaml(study["base"]),
-                axes=(Axis("model", {m: {**(sizes.get(m) or {}), "model": m} for m in study["models"]}),
-                      Axis("arm", {arm: overrides or {} for arm, overrides in arms.items()})),
-                seeds=tuple(study["seeds"]), exclude=exclude, models=_located_models(config),
-                warm_start=SharedWarmStart(level="model", directory=f"{config['results']}/study/{{model}}/init"))
+    return {"base": study["base"], "seeds": study["seeds"],
+            "axes": {"model": {m: {**(sizes.get(m) or {}), "model": m} for m in study["models"]},
+                     "arm": {arm: overrides or {} for arm, overrides in arms.items()}},
+            "exclude": [{"model": [m for m in study["models"] if m not in models], "arm": [arm]}
+                        for arm, models in owners.items()],
+            "shared_warm_start": {"level": "model", "directory": "study/{model}/init"}}
+
+
+def study_grid(config: dict[str, Any]) -> Grid:
+    """The study (:func:`study_spec`)."""
+    return grid_of(config, "study", study_spec(config))
 
 
 def study_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
@@ -514,11 +575,11 @@ def study_points(config: dict[str, Any], cells: list[Cell] | None = None) -> lis
 
 def grid_groups(config: dict[str, Any], section: str, cells: list[Cell]) -> list[Group]:
     """The cells of a grid section by process (:func:`rpa.workflow.grid.group_cells`), by the
-    section's ``runs_per_process`` and ``arms_per_process`` (a search stage's own)."""
-    if section == "search":
-        stages = config["search"]["stages"]
-        return [g for stage, knobs in stages.items()
-                for g in group_cells([c for c in cells if search_stage(c) == stage],
+    section's ``runs_per_process`` and ``arms_per_process`` (an entry's own in a section of several
+    grids: each search stage, each entry of ``grids``)."""
+    if section in MULTI_GRID_SECTIONS:
+        return [g for name, knobs in grid_entries(config, section).items()
+                for g in group_cells([c for c in cells if grid_stage(c) == name],
                                      int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))]
     knobs = config[section]
     return group_cells(cells, int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))
@@ -579,6 +640,8 @@ def gpu_shortfall(config: dict[str, Any], lent: int | None) -> str | None:
     if config.get("study"):
         needs.update({f"study.resources.{m}.gpu": int(study_resources(config, m)["gpu"])
                       for m in config["study"]["models"]})
+    needs.update({f"grids.{name}.resources.gpu": int((spec.get("resources") or {}).get("gpu", 0))
+                  for name, spec in (config.get("grids") or {}).items()})
     over = [f"{key} {count}" for key, count in needs.items() if count > lent]
     if not over:
         return None
@@ -700,26 +763,30 @@ lever (if it did not)."""
 
 
 def search_grids(config: dict[str, Any]) -> list[Grid]:
-    """Each stage of the natural-collapse search (``search.stages``) as a grid: the base, the
-    stage's ``overrides``, then one value of every axis in the order written; cells
-    ``<stage>/<label>/.../seed<N>``. An override ``model: NAME`` names a model of ``models``. With
+    """Each stage of the natural-collapse search (``search.stages``) as a grid (:func:`grid_of`): the
+    search's ``base`` under the stage's entry; cells ``<stage>/<label>/.../seed<N>``. With
     ``shared_warm_start``, every arm of a seed that changes none of what a warm start reads starts
     from one ``rpa warm-start`` (``search/init/<model>-ws<steps>-seed<N>-<digest>``), as it would
     from its own identical warm start, without repeating it."""
-    search = config["search"]
-    base = load_yaml(search["base"])
-    shared = SharedWarmStart(level=CELL, directory=f"{config['results']}/search/init/"
-                                                   "{model_name}-ws{steps}-seed{seed}-{digest}")
-    return [Grid(name=f"search/{name}", base=base, overrides=stage.get("overrides") or {},
-                 axes=tuple(Axis(axis, values) for axis, values in (stage.get("axes") or {}).items()),
-                 seeds=tuple(stage["seeds"]), models=_located_models(config), prefix=(name,),
-                 warm_start=shared if stage.get("shared_warm_start") else None)
+    search, bases = config["search"], {}
+    return [grid_of(config, "search", {"base": search["base"], **stage}, name, bases)
             for name, stage in (search.get("stages") or {}).items()]
 
 
 def search_stage(cell: Cell) -> str:
     """The search stage a cell of :func:`search_grids` belongs to (its grid is ``search/<stage>``)."""
-    return cell.grid.removeprefix("search/")
+    return grid_stage(cell)
+
+
+def named_grids(config: dict[str, Any]) -> list[Grid]:
+    """Each entry of ``grids:`` (:func:`grid_of`): cells ``grids/<name>/<label>/.../seed<N>``."""
+    bases: dict[str, Any] = {}
+    return [grid_of(config, "grids", spec, name, bases) for name, spec in (config.get("grids") or {}).items()]
+
+
+def grid_entries(config: dict[str, Any], section: str) -> dict[str, dict[str, Any]]:
+    """The entries of a section of several grids, by name: ``search.stages`` or ``grids``."""
+    return (config.get("search") or {}).get("stages") or {} if section == "search" else config.get("grids") or {}
 
 
 def search_points(config: dict[str, Any], stage: str | None = None,
@@ -736,6 +803,33 @@ def search_points(config: dict[str, Any], stage: str | None = None,
             for c in cells if stage is None or search_stage(c) == stage]
 
 
+def _entries_problems(config: dict[str, Any], section: str, grids: list[Grid]) -> tuple[list[str], list[Cell]]:
+    """What is wrong with the grids of a section of several (``search``, ``grids``): cells that name
+    no model, invalid run configs, two cells in one directory."""
+    where = "search cell" if section == "search" else "grids cell"
+    try:
+        cells = [c for grid in grids for c in expand(grid)]
+    except (OSError, ValueError, KeyError) as err:
+        return [f"{section}: {err}"], []
+    problems = [f"{where} {c.name}: model {c.model!r} is not a name in models" for c in cells
+                if c.model not in config["models"]]
+    if problems:
+        return sorted(set(problems)), []
+    problems += _invalid_runs(cells, lambda c: f"{where} {c.name}")
+    names = [c.name for c in cells]
+    if len(set(names)) != len(names):
+        problems.append(f"{section}: two cells share a directory (repeated labels)")
+    return problems, cells
+
+
+def _grids_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
+    try:
+        grids = named_grids(config)
+    except (OSError, YamlError, ValueError) as err:
+        return [f"grids: {err}"], []
+    return _entries_problems(config, "grids", grids)
+
+
 def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     search = config["search"]
     problems = [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
@@ -743,17 +837,12 @@ def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     if problems:
         return problems, []
     try:
-        cells = [c for grid in search_grids(config) for c in expand(grid)]
-    except (OSError, ValueError) as err:
+        grids = search_grids(config)
+    except (OSError, YamlError, ValueError) as err:
         return [f"search: {err}"], []
-    problems += [f"search cell {c.name}: model {c.model!r} is not a name in models" for c in cells
-                 if c.model not in config["models"]]
-    if problems:
-        return sorted(set(problems)), []
-    problems += _invalid_runs(cells, lambda c: f"search cell {c.name}")
-    names = [c.name for c in cells]
-    if len(set(names)) != len(names):
-        problems.append("search: two cells share a directory (repeated labels)")
+    problems, cells = _entries_problems(config, "search", grids)
+    if not cells:
+        return problems, cells
     points = search_points(config, cells=cells)
     rule = search.get("decision") or {}
     arms = {label for p in points if p["stage"] == "grid" for label in [p["labels"].get(rule.get("arm_axis", ""))]}
