@@ -23,7 +23,8 @@ from pathlib import Path
 import yaml
 
 from rpa.workflow.grid import deep_merge
-from rpa.workflow.pipeline import study_arms, study_resources
+from rpa.workflow.resources import study_resources
+from rpa.workflow.sections import study_arms
 
 CHECKPOINT_BYTES = 12
 """Bytes a parameter per checkpoint: the FP32 master weight (4) and Adam's two FP32 moments (8)."""

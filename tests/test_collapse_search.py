@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from analysis.collapse_search import clopper_pearson, decision, load_runs, main, pilot
-from rpa.workflow.pipeline import PipelineConfigError, check_config, search_points
+from rpa.workflow.pipeline import PipelineConfigError, check_config
+from rpa.workflow.sections import search_points
 from tests.conftest import REPO, tail
 from tests.test_pipeline import snakemake
 

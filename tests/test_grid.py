@@ -6,7 +6,8 @@ import yaml
 
 from rpa.train.config import TrainConfig, TrainConfigError
 from rpa.workflow.grid import BASE, CELL, Axis, Grid, SharedWarmStart, expand
-from rpa.workflow.pipeline import check_config, dose_grid, search_grids, study_grid, train_grid
+from rpa.workflow.pipeline import check_config
+from rpa.workflow.sections import dose_grid, search_grids, study_grid, train_grid
 from tests.conftest import REPO
 
 BASE_RUN = {"model": "tiny", "task": {"name": "count", "num_prompts": 8}, "numerics": {"regions": "none"},

@@ -1,5 +1,5 @@
 """The config's ``grids:`` section: an experiment written as a grid entry in the one shape every
-experiment has (rpa.workflow.pipeline.grid_of), checked before anything loads, run by the one grid
+experiment has (rpa.workflow.sections.grid_of), checked before anything loads, run by the one grid
 rule file and tabled by analysis.grid_summary."""
 
 import copy
@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from rpa.workflow.grid import expand
-from rpa.workflow.pipeline import (PipelineConfigError, check_config, grid_of, search_grids, train_grid,
-                                   train_spec)
+from rpa.workflow.pipeline import PipelineConfigError, check_config
+from rpa.workflow.sections import grid_of, search_grids, train_grid, train_spec
 from tests.conftest import REPO, tail
 from tests.test_grid import _config
 from tests.test_pipeline import snakemake

@@ -73,7 +73,7 @@ def test_dose_grid_skips_and_marks_those_cells():
     import yaml
 
     from analysis.dose import invalid_setting, load_runs, thresholds
-    from rpa.workflow.pipeline import dose_points
+    from rpa.workflow.sections import dose_points
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from rpa.workflow.pipeline import PipelineConfigError, check_config, numerics_options, tiny_flags
+from rpa.workflow.jobs import numerics_options, tiny_flags
+from rpa.workflow.pipeline import PipelineConfigError, check_config
 from tests.conftest import REPO, assert_figure, tail
 
 DEFAULT = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
@@ -74,7 +75,7 @@ def test_dry_run_plans_the_full_grid(tmp_path):
     cfg = write_config(tmp_path, {**DEFAULT, "results": str(tmp_path / "results")})
     proc = snakemake("-n", "--cores", "2", "--quiet", "rules", "--configfile", str(cfg))
     assert proc.returncode == 0, tail(proc)
-    from rpa.workflow.pipeline import model_configs
+    from rpa.workflow.jobs import model_configs
 
     n_models = len(DEFAULT["models"])
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
@@ -91,7 +92,8 @@ def test_dry_run_plans_the_full_grid(tmp_path):
 def test_one_file_jobs_write_exactly_the_job_in_snakemakes_own_process(tmp_path):
     """Job files and run configs are written by a shell job (a `run:` job would start a new
     Snakemake process for each): byte for byte the YAML the command reads, nothing else left."""
-    from rpa.workflow.pipeline import model_location, parity_job, probe_job, study_points
+    from rpa.workflow.jobs import model_location, parity_job, probe_job
+    from rpa.workflow.sections import study_points
 
     results = tmp_path / "results"
     cfg = write_config(tmp_path, {**DEFAULT, "results": str(results)})
@@ -200,7 +202,7 @@ def test_probe_options_have_one_owner_from_config_to_job_file_and_back(tmp_path)
     dataclass (rpa.measure.probe.ProbeOptions): config -> job file -> parsed options is the identity,
     and a bad range is reported by the dataclass for the config as for the command line."""
     from rpa.cli import _probe_options, _with_job_config, build_parser
-    from rpa.workflow.pipeline import probe_job, probe_options
+    from rpa.workflow.jobs import probe_job, probe_options
 
     config = copy.deepcopy(DEFAULT)
     config["probe"].update(prompts=7, ratio_band=[0.5, 2.0], compiled=True)
@@ -221,7 +223,7 @@ def test_parity_options_have_one_owner_from_config_to_job_file_and_back(tmp_path
     (rpa.measure.parity.ParityOptions)."""
     from rpa.cli import _parity_numerics, _parity_options, _with_job_config, build_parser
     from rpa.measure.parity import ParityOptions
-    from rpa.workflow.pipeline import parity_job, parity_options
+    from rpa.workflow.jobs import parity_job, parity_options
 
     config = copy.deepcopy(DEFAULT)
     config["parity"].update(regions="rope,swiglu", compiled=True)

@@ -93,7 +93,8 @@ def test_the_real_model_search_config_states_its_grid_and_questions():
     import yaml
 
     from rpa.train.config import TrainConfig
-    from rpa.workflow.pipeline import check_config, search_points
+    from rpa.workflow.pipeline import check_config
+    from rpa.workflow.sections import search_points
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/collapse-smollm2.yaml").read_text())

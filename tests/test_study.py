@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from rpa.workflow.grid import deep_merge
-from rpa.workflow.pipeline import check_config, study_groups, study_points, study_resources, train_points
+from rpa.workflow.pipeline import check_config
+from rpa.workflow.resources import study_resources
+from rpa.workflow.sections import study_groups, study_points, train_points
 from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 
@@ -101,7 +103,7 @@ def test_the_longest_work_is_scheduled_first(tmp_path):
     """A study job's priority is its minutes of training; a model's warm start, its tiny-model
     build and its run configs (what a job waits for) outrank every job of that model they unlock;
     as Snakemake reads them (its dry run prints each job's priority)."""
-    from rpa.workflow.pipeline import study_priorities
+    from rpa.workflow.resources import study_priorities
 
     groups = study_groups(STUDY_CPU)
     priority = study_priorities(STUDY_CPU, groups)
@@ -224,7 +226,7 @@ def test_workstation_dry_run_caps_gpus_and_gives_jobs_their_own(tmp_path):
 
 
 def test_a_workstation_with_fewer_gpus_than_a_job_needs_is_refused_at_parse_time(tmp_path):
-    from rpa.workflow.pipeline import gpu_shortfall
+    from rpa.workflow.resources import gpu_shortfall
 
     assert gpu_shortfall(STUDY, None) is None and gpu_shortfall(STUDY, 8) is None  # SLURM: no limit; 8 GPUs
     assert gpu_shortfall(STUDY_CPU, 0) is None  # the CPU miniature takes none

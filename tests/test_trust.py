@@ -7,7 +7,8 @@ import copy
 import pytest
 import yaml
 
-from rpa.workflow.pipeline import PipelineConfigError, check_config, study_points
+from rpa.workflow.pipeline import PipelineConfigError, check_config
+from rpa.workflow.sections import study_points
 from tests.conftest import REPO, tail
 from tests.test_pipeline import snakemake, write_config
 

@@ -1,22 +1,30 @@
-"""What the Snakefile needs from rpa: semantic config checks, grid expansion and the jobs' files.
+"""The pipeline config's check: what the Snakefile runs before any job starts.
 
 The JSON schema (``experiments/schema/config.schema.yaml``) checks the shape of the config;
 :func:`check_config` checks what a schema cannot: region names, numerics combinations
 that mean nothing, tiny-model specs, and cross references between sections. Every
-problem names its entry (``probe.configs.fp32x: ...``) and all are reported at once.
+problem names its entry (``probe.configs.fp32x: ...``) and all are reported at once. It expands
+and validates every grid once and hands the workflow the cells (:class:`CheckedGrids`).
+
+The rest of what the workflow needs is by concern: the grids of a config (:mod:`rpa.workflow.sections`,
+on :mod:`rpa.workflow.grid`), its models and job files (:mod:`rpa.workflow.jobs`), what the scheduler
+is told (:mod:`rpa.workflow.resources`).
 """
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rpa.core.numerics_config import NumericsConfig, NumericsConfigError, perturbation_label
+from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.core.regions import RegionError, parse_regions
 from rpa.core.yamlfiles import YamlError, load_yaml
-from rpa.core.regions import RegionError, parse_regions, region_label
-from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, Group, SharedWarmStart, expand, group_cells
+from rpa.workflow.grid import Cell, Grid, Group, expand
+from rpa.workflow.jobs import parity_options, probe_options, prompts_task
+from rpa.workflow.resources import BYTES_PER_PARAMETER, study_resources
+from rpa.workflow.sections import (GRID_SECTIONS, SEARCH_STAGES, dose_grid, dose_label, grid_groups, named_grids,
+                                   search_grids, search_points, study_arm_names, study_arms, study_grid, train_grid)
 
 
 class PipelineConfigError(ValueError):
@@ -114,122 +122,6 @@ def _model_probe_problems(config: dict[str, Any], name: str) -> list[str]:
     return problems
 
 
-def _options(cls: type, section: dict[str, Any]):
-    """The dataclass ``cls`` of the options a config section names."""
-    from rpa.core.fieldtypes import build
-
-    return build(cls, {f.name: section[f.name] for f in fields(cls) if f.name in section})
-
-
-MODEL_KINDS = ("tiny", "path", "gguf")
-"""What a ``models`` entry is: built here (``tiny``: :class:`~rpa.sides.tiny.TinySpec` fields),
-converted here from a GGUF file (``gguf``: :class:`~rpa.sides.convert.GgufSource` fields), or
-loaded where it is (``path``: a local directory or hub id)."""
-
-
-def model_kind(spec: dict[str, Any]) -> str:
-    """``tiny``, ``gguf`` or ``path``: the one kind key of a ``models`` entry (the schema requires one)."""
-    return next(k for k in MODEL_KINDS if k in spec)
-
-
-def model_configs(config: dict[str, Any], model: str) -> list[str]:
-    """The probe configurations ``model`` runs, in ``probe.configs`` order: its own
-    ``models.<name>.probe.configs`` where given (the tiny models of the main job keep only the
-    parity gate's and a few), else every one."""
-    own = (config["models"][model].get("probe") or {}).get("configs")
-    return [name for name in config["probe"]["configs"] if own is None or name in own]
-
-
-def model_probe(config: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """The ``probe:`` section with the model's own ``models.<name>.probe`` options on top (a
-    real model samples longer completions from a task's prompts than the tiny ones)."""
-    own = dict(((config["models"].get(model) or {}).get("probe") or {}) if model else {})
-    own.pop("task", None)  # its prompts reach the probe as a prompts file (:func:`prompts_task`)
-    own.pop("configs", None)  # which configurations, not an option of each (:func:`model_configs`)
-    return {**config["probe"], **own}
-
-
-def prompts_task(config: dict[str, Any], model: str) -> dict[str, Any] | None:
-    """The task (TaskSpec fields) whose prompts ``model``'s probe samples from, or None (the
-    built-in prompts); ``num_prompts`` and ``seed`` default to the probe's ``prompts`` and ``seed``."""
-    task = ((config["models"][model].get("probe") or {}).get("task"))
-    if task is None:
-        return None
-    probe = model_probe(config, model)
-    return {"num_prompts": probe.get("prompts", 16), "seed": probe.get("seed", 0), **task}
-
-
-def prompts_flags(task: dict[str, Any]) -> str:
-    """``rpa prompts`` flags for a task mapping (TaskSpec fields, ``name`` as ``--task``)."""
-    return tiny_flags({("task" if k == "name" else k): v for k, v in task.items()})
-
-
-def gguf_flags(spec: dict[str, Any]) -> str:
-    """``rpa convert`` flags for a ``models.<name>.gguf`` mapping (``file`` as ``--gguf``)."""
-    return tiny_flags({("gguf" if k == "file" else k): v for k, v in spec.items()})
-
-
-def probe_options(config: dict[str, Any], model: str | None = None):
-    """The :class:`~rpa.measure.probe.ProbeOptions` of the config's ``probe:`` section, with
-    ``model``'s own options on top (:func:`model_probe`)."""
-    from rpa.measure.probe import ProbeOptions
-
-    return _options(ProbeOptions, model_probe(config, model))
-
-
-def parity_options(config: dict[str, Any]):
-    """The :class:`~rpa.measure.parity.ParityOptions` of the config's ``parity:`` section."""
-    from rpa.measure.parity import ParityOptions
-
-    return _options(ParityOptions, config["parity"])
-
-
-def _job(options: dict[str, Any]) -> dict[str, Any]:
-    """A job file's mapping: tuples as YAML lists (``yaml.safe_dump`` writes no tuples)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
-
-
-def numerics_options(numerics: dict[str, Any], device: str) -> dict[str, Any]:
-    """One ``probe.configs`` entry as ``rpa probe``/``rpa diagnose`` options (their ``--config`` keys:
-    the flags' names), checked by :class:`NumericsConfig` and read back by the CLI into the same one."""
-    n = NumericsConfig.from_dict({**numerics, "device": device}).to_dict()
-    bits = (n.pop("sampler_perturbation") or {}).get("mantissa_bits")
-    return {**n, "sampler_mantissa_bits": bits}
-
-
-def probe_job(config: dict[str, Any], model: str, numerics: str, completions: str | None, device: str,
-              name: str | None = None, prompts_file: str | None = None) -> dict:
-    """The ``rpa probe --config`` file of one probe cell: model (``model`` is where it loads from,
-    ``name`` its entry in ``models``), numerics, every probe option (the model's own on top) and
-    the prompts file its task's prompts were written to."""
-    import dataclasses
-
-    options = dataclasses.asdict(probe_options(config, name))
-    if prompts_file is not None:
-        options["prompts_file"] = prompts_file
-    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
-                 **options, "completions": completions})
-
-
-def diagnose_job(config: dict[str, Any], model: str, numerics: str, completions: str, device: str) -> dict:
-    """The ``rpa diagnose --config`` file of one diagnosis cell."""
-    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
-                 "sequences": config["diagnose"]["sequences"], "completions": completions})
-
-
-def attribution_job(config: dict[str, Any], model: str, numerics: str, completions: str, device: str) -> dict:
-    """The ``rpa attribute --config`` file of one attribution cell."""
-    return _job({"model": model, **numerics_options(config["probe"]["configs"][numerics], device),
-                 "sequences": config["attribution"]["sequences"], "completions": completions})
-
-
-def parity_job(config: dict[str, Any], model: str, device: str) -> dict:
-    """The ``rpa parity --config`` file of one model's gate: the options the ``parity:`` section
-    can set (the schema's), from :class:`~rpa.measure.parity.ParityOptions`."""
-    return _job({"model": model, "regions": config["parity"]["regions"],
-                 "compiled": parity_options(config).compiled, "device": device})
-
-
 def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
     """The config's first violation of its JSON schema as one line: the key's path, what is wrong, and
     for a misspelt key the nearest valid one (Snakemake's own message prints the whole schema and
@@ -250,14 +142,6 @@ def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
                  else repr(k) for k in extra]
         return f"{where}: unknown key(s) {', '.join(hints)}; valid: {', '.join(allowed)}"
     return f"{where}: {error.message.splitlines()[0][:200]}"
-
-
-GRID_SECTIONS = ("train", "dose", "study", "search", "grids")
-"""The config sections that are grids of training runs (:mod:`rpa.workflow.grid`): ``grids`` holds
-entries in the one shape (:func:`grid_of`) as written; the others are sections of their own that
-:func:`train_spec`, :func:`dose_spec`, :func:`study_spec` and :func:`search_grids` turn into it."""
-MULTI_GRID_SECTIONS = ("search", "grids")
-"""The sections of several grids, one per entry (:func:`grid_entries`)."""
 
 
 @dataclass(frozen=True)
@@ -353,95 +237,6 @@ def _valid_numerics(numerics: dict[str, Any]) -> bool:
     return True
 
 
-def tiny_flags(spec: dict[str, Any]) -> str:
-    """``rpa tiny`` flags for a ``models.<name>.tiny`` mapping."""
-    flags: list[str] = []
-    for key, value in spec.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            flags += [flag, str(value)]
-    return shlex.join(flags)
-
-
-def model_location(config: dict[str, Any], name: str) -> str:
-    """Where a model of ``models`` is loaded from: built or converted here (``tiny``, ``gguf``), or
-    its ``path``."""
-    spec = config["models"][name]
-    return spec["path"] if model_kind(spec) == "path" else f"{config['results']}/models/{name}"
-
-
-def _located_models(config: dict[str, Any]) -> dict[str, str]:
-    """Every name of ``models`` -> where it loads from (a grid's ``model: NAME``)."""
-    return {name: model_location(config, name) for name in config.get("models") or {}}
-
-
-def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: str | None = None,
-            bases: dict[str, Any] | None = None) -> Grid:
-    """One grid entry as a :class:`~rpa.workflow.grid.Grid`: the one shape every experiment has --
-    an entry of ``grids:`` or a stage of ``search.stages`` as written, and what :func:`train_spec`,
-    :func:`dose_spec` and :func:`study_spec` make of their sections. Its keys (docs/pipeline.md#grids):
-
-    * ``base`` (a run YAML), ``overrides`` (run-config overrides of every cell), ``seeds``;
-    * ``axes``: axis -> {label: run-config overrides}, every combination a cell, merged in the order written;
-    * ``exclude``: [{axis: [labels]}], the label combinations left out; ``path``: a cell's directory as a
-      template over its labels (default: the labels joined by ``/``); ``replace``: keys an axis value sets
-      whole;
-    * ``shared_warm_start``: false; true (one ``rpa warm-start`` per model, warm-start settings and seed,
-      ``<section>/init/<model>-ws<steps>-seed<N>-<digest>``); or {``level``, ``directory`` (under the
-      results), ``only_with_steps``} (:class:`~rpa.workflow.grid.SharedWarmStart`).
-
-    A ``grids:`` entry takes every key but ``replace`` and the mapping form of ``shared_warm_start``
-    (fixed warm-start folders, which the positive control and the study use: their runs rerun when the
-    warm start is rebuilt, where a digest-named one is the same checkpoint). Cells are ``<section>/[<stage>/]<labels>/seed<N>`` under the results; ``bases``: run YAMLs already
-    read, by path (each read once)."""
-    bases = {} if bases is None else bases
-    if spec["base"] not in bases:
-        bases[spec["base"]] = load_yaml(spec["base"])
-    shared = spec.get("shared_warm_start") or False
-    if shared is True:
-        shared = {"level": CELL, "directory": f"{section}/init/{{model_name}}-ws{{steps}}-seed{{seed}}-{{digest}}"}
-    warm_start = None if not shared else SharedWarmStart(
-        level=shared.get("level", CELL), directory=f"{config['results']}/{shared['directory']}",
-        only_with_steps=shared.get("only_with_steps", True))
-    return Grid(name=section if stage is None else f"{section}/{stage}", base=bases[spec["base"]],
-                overrides=spec.get("overrides") or {},
-                axes=tuple(Axis(axis, values) for axis, values in (spec.get("axes") or {}).items()),
-                seeds=tuple(spec["seeds"]),
-                exclude=tuple({axis: tuple(labels) for axis, labels in rule.items()} for rule in spec.get("exclude") or ()),
-                models=_located_models(config), prefix=() if stage is None else (stage,), path=spec.get("path"),
-                warm_start=warm_start, replaced=tuple(spec.get("replace") or ()))
-
-
-def grid_stage(cell: Cell) -> str | None:
-    """The entry of a section of several grids (``search``, ``grids``) a cell belongs to: its grid
-    is ``<section>/<entry>``; None for a section of one grid."""
-    return cell.grid.partition("/")[2] or None
-
-
-def train_spec(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``train:`` section as a grid entry (:func:`grid_of`): settings x region sets x seeds,
-    ``<model>/<setting>/<regions>/seed<N>``."""
-    train = config["train"]
-    return {"base": train["base"], "overrides": {"model": train["model"]}, "seeds": train["seeds"],
-            "axes": {"setting": train["settings"],
-                     "regions": {region_label(r): {"numerics": {"regions": r}} for r in train["regions"]}},
-            "path": f"{train['model']}/{{setting}}/{{regions}}"}
-
-
-def train_grid(config: dict[str, Any]) -> Grid:
-    """The GRPO grid of one model (:func:`train_spec`)."""
-    return grid_of(config, "train", train_spec(config))
-
-
-def train_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
-    """Every run of the GRPO grid: ``model``, ``setting``, ``regions`` (label), ``seed`` and its
-    full run config (base <- setting <- regions, merged key by key)."""
-    return [{"model": c.model, "setting": c.labels["setting"], "regions": c.labels["regions"], "seed": c.seed,
-             "config": c.config} for c in (cells if cells is not None else expand(train_grid(config)))]
-
-
 def _invalid_runs(cells: list[Cell], where) -> list[str]:
     """A problem line (``where(cell): error``) for every cell whose run config is invalid (each
     cell's :class:`~rpa.train.config.TrainConfig` is built here, once, and kept)."""
@@ -469,56 +264,6 @@ def _train_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
                                           f"seed {c.seed})"), cells
 
 
-# ------------------------------------------------------------------ the dose-response grid
-
-
-def dose_label(dose) -> str:
-    """Directory / table name of a dose: ``bf16-none`` (no dose) or ``perturb-mantissa<K>``."""
-    return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
-
-
-def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``dose:`` section as a grid entry (:func:`grid_of`), the positive control: arms (the
-    sampler-only doses on the base's numerics, then the x-axis anchors, each a numerics configuration
-    in full) x IS correction x old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``,
-    every cell from one shared warm start (``dose/init``). Left out: an IS correction with the
-    sampler's old logprobs (the correction would be applied twice: TrainConfig refuses it), and the
-    anchors with a correction (an anchor runs uncorrected)."""
-    dose = config["dose"]
-    base = load_yaml(dose["base"])
-    doses = {dose_label(d): {"numerics": {
-        **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
-        **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}}
-        for d in dose["doses"]}
-    anchors = {name: {"numerics": numerics} for name, numerics in (dose.get("anchors") or {}).items()}
-    corrections = list(dict.fromkeys([*dose["is_corrections"], "off"]))
-    applied = [c for c in corrections if c != "off"]
-    exclude = [{"is_correction": applied, "old_logprobs": ["sampler"]}, {"arm": list(anchors), "is_correction": applied}]
-    if "off" not in dose["is_corrections"]:  # listed for the anchors only
-        exclude.append({"arm": list(doses), "is_correction": ["off"]})
-    return {"base": dose["base"], "overrides": {"model": dose["model"]}, "seeds": dose["seeds"],
-            "axes": {"arm": {**doses, **anchors},
-                     "is_correction": {c: {"is_correction": c} for c in corrections},
-                     "old_logprobs": {o: {"old_logprobs": o} for o in dose["old_logprobs"]}},
-            "exclude": exclude, "path": "{arm}/{is_correction}-{old_logprobs}", "replace": ["numerics"],
-            "shared_warm_start": {"level": BASE, "directory": "dose/init", "only_with_steps": False}}
-
-
-def dose_grid(config: dict[str, Any]) -> Grid:
-    """The positive control (:func:`dose_spec`)."""
-    return grid_of(config, "dose", dose_spec(config))
-
-
-def dose_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
-    """Every cell of the positive control: ``cell`` (its directory under ``dose/``), ``arm``
-    (dose or anchor label), ``dose`` (mantissa bits or None), ``is_correction``,
-    ``old_logprobs``, ``seed`` and the full run config."""
-    bits = {dose_label(d): None if d in (None, "none") else int(d) for d in config["dose"]["doses"]}
-    return [{"cell": c.name, "arm": c.labels["arm"], "dose": bits.get(c.labels["arm"]),
-             "is_correction": c.labels["is_correction"], "old_logprobs": c.labels["old_logprobs"], "seed": c.seed,
-             "config": c.config} for c in (cells if cells is not None else expand(dose_grid(config)))]
-
-
 def _dose_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     from rpa.train.config import TrainConfig, TrainConfigError
 
@@ -535,123 +280,6 @@ def _dose_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     except (OSError, TrainConfigError, ValueError) as err:
         return [f"dose: {err}"], []
     return _invalid_runs(cells, lambda c: f"dose cell {c.name}"), cells
-
-
-# ------------------------------------------------------------------------------ the study
-
-
-def study_spec(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``study:`` section as a grid entry (:func:`grid_of`): models (the base with each size's
-    settings) x arms x seeds, ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only
-    on that model. Models with a shared warm start (``warm_start.steps`` > 0) start from
-    ``study/<model>/init``."""
-    study = config["study"]
-    sizes, own = study.get("sizes") or {}, study.get("size_arms") or {}
-    arms = {name: {} for name in study_arm_names(study)}
-    for model in study["models"]:
-        arms.update(study_arms(study, model))
-    owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})}
-              for arm in arms if arm not in study["arms"]}
-    return {"base": study["base"], "seeds": study["seeds"],
-            "axes": {"model": {m: {**(sizes.get(m) or {}), "model": m} for m in study["models"]},
-                     "arm": {arm: overrides or {} for arm, overrides in arms.items()}},
-            "exclude": [{"model": [m for m in study["models"] if m not in models], "arm": [arm]}
-                        for arm, models in owners.items()],
-            "shared_warm_start": {"level": "model", "directory": "study/{model}/init"}}
-
-
-def study_grid(config: dict[str, Any]) -> Grid:
-    """The study (:func:`study_spec`)."""
-    return grid_of(config, "study", study_spec(config))
-
-
-def study_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
-    """Every cell of the study (:func:`study_grid`): ``cell`` (``<model>/<arm>/seed<N>``, its
-    directory under ``study/``), ``model``, ``arm``, ``seed`` and the full run config: the base,
-    then the model's size settings, then the arm's overrides, merged key by key."""
-    return [{"cell": c.name, "model": c.labels["model"], "arm": c.labels["arm"], "seed": c.seed, "config": c.config}
-            for c in (cells if cells is not None else expand(study_grid(config)))]
-
-
-def grid_groups(config: dict[str, Any], section: str, cells: list[Cell]) -> list[Group]:
-    """The cells of a grid section by process (:func:`rpa.workflow.grid.group_cells`), by the
-    section's ``runs_per_process`` and ``arms_per_process`` (an entry's own in a section of several
-    grids: each search stage, each entry of ``grids``)."""
-    if section in MULTI_GRID_SECTIONS:
-        return [g for name, knobs in grid_entries(config, section).items()
-                for g in group_cells([c for c in cells if grid_stage(c) == name],
-                                     int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))]
-    knobs = config[section]
-    return group_cells(cells, int(knobs.get("runs_per_process", 1)), int(knobs.get("arms_per_process", 1)))
-
-
-def study_groups(config: dict[str, Any], cells: list[Cell] | None = None) -> dict[str, list[str]]:
-    """The study's cells by process (:func:`grid_groups`): group name -> its cells' names. Named
-    ``<model>/<arm>[+<arm>...]/seed<N>[+<N>...]`` (``mini-xs/none/seed0+1+2``; a group of one is
-    its cell's name). ``cells``: the study's, where already expanded."""
-    cells = cells if cells is not None else expand(study_grid(config))
-    return {g.name: [c.name for c in g.cells] for g in grid_groups(config, "study", cells)}
-
-
-def study_priorities(config: dict[str, Any], groups: dict[str, list[str]]) -> dict[str, int]:
-    """Snakemake's order among ready jobs: a study job's priority (a group of :func:`study_groups`)
-    is the minutes of training it runs (its ``runtime`` resource), a model's warm start and
-    tiny-model build have those of all the model's jobs (what they unlock). The longest work then
-    starts first and the short jobs (probes, parity, tables; priority 0) fill in at the end, so the
-    wall time on a few cores comes close to the total work divided by the cores. Keys: group names
-    and model names."""
-    own = {name: study_resources(config, name.split("/")[0], len(cells))["runtime"] for name, cells in groups.items()}
-    unlocks = {model: sum(m for name, m in own.items() if name.split("/")[0] == model)
-               for model in config["study"]["models"]}
-    return {**own, **unlocks}
-
-
-def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
-    """The arms ``model`` runs: every arm of ``study.arms``, then its own ``study.size_arms``
-    (e.g. the sampler-perturbation positive control on the smallest size only)."""
-    return {**study["arms"], **((study.get("size_arms") or {}).get(model) or {})}
-
-
-def study_arm_names(study: dict[str, Any]) -> list[str]:
-    """Every arm of the study in table order: the common arms, then the per-size ones."""
-    names = list(study["arms"])
-    for arms in (study.get("size_arms") or {}).values():
-        names += [a for a in (arms or {}) if a not in names]
-    return names
-
-
-def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[str, Any]:
-    """Scheduler resources of one process of ``runs`` training runs of ``model``
-    (``study.resources`` gives one run's, by size; the runtime adds up)."""
-    defaults = {"gpu": 0, "mem_mb": 8000, "runtime": 120, "cpus_per_task": 2, "launch": "single"}
-    res = {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
-    return {**res, "runtime": res["runtime"] * runs}
-
-
-def gpu_shortfall(config: dict[str, Any], lent: int | None) -> str | None:
-    """One line naming the jobs of ``config`` that need more GPUs than the machine lends
-    (``lent``: Snakemake's ``gpu`` resource, ``--resources gpu=N`` or a profile's ``resources``;
-    None: no limit, as under SLURM), or None. Snakemake would cap such a job's resource and start
-    it, and the job would then wait for GPUs the machine does not have (:mod:`rpa.workflow.gpus`)."""
-    if lent is None:
-        return None
-    needs = {"gpus_per_job": int(config.get("gpus_per_job") or 0),
-             "train.resources.gpu": int(((config.get("train") or {}).get("resources") or {}).get("gpu", 0))}
-    if config.get("study"):
-        needs.update({f"study.resources.{m}.gpu": int(study_resources(config, m)["gpu"])
-                      for m in config["study"]["models"]})
-    needs.update({f"grids.{name}.resources.gpu": int((spec.get("resources") or {}).get("gpu", 0))
-                  for name, spec in (config.get("grids") or {}).items()})
-    over = [f"{key} {count}" for key, count in needs.items() if count > lent]
-    if not over:
-        return None
-    return (f"this machine lends {lent} GPU(s) (Snakemake's gpu resource: --resources gpu=N or the profile's), "
-            f"fewer than a job needs: {', '.join(over)}; drop those sizes from study.models here, or run them "
-            f"where they fit (SLURM)")
-
-
-BYTES_PER_PARAMETER = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes of one weight as vLLM holds it, by ``numerics.precision``."""
 
 
 def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str]:
@@ -752,55 +380,6 @@ def _study_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
             problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
                             f"model fixes for every arm; set it in the base or study.sizes")
     return problems, cells
-
-
-# ------------------------------------------------------------------ the natural-collapse search
-
-SEARCH_STAGES = ("pilot", "grid", "ablation", "lever")
-"""Stages of ``search`` (each optional): the pilot picks a setting, the grid tests it under
-the decision rule written in the config, then the ablation (if it collapsed) or a further
-lever (if it did not)."""
-
-
-def search_grids(config: dict[str, Any]) -> list[Grid]:
-    """Each stage of the natural-collapse search (``search.stages``) as a grid (:func:`grid_of`): the
-    search's ``base`` under the stage's entry; cells ``<stage>/<label>/.../seed<N>``. With
-    ``shared_warm_start``, every arm of a seed that changes none of what a warm start reads starts
-    from one ``rpa warm-start`` (``search/init/<model>-ws<steps>-seed<N>-<digest>``), as it would
-    from its own identical warm start, without repeating it."""
-    search, bases = config["search"], {}
-    return [grid_of(config, "search", {"base": search["base"], **stage}, name, bases)
-            for name, stage in (search.get("stages") or {}).items()]
-
-
-def search_stage(cell: Cell) -> str:
-    """The search stage a cell of :func:`search_grids` belongs to (its grid is ``search/<stage>``)."""
-    return grid_stage(cell)
-
-
-def named_grids(config: dict[str, Any]) -> list[Grid]:
-    """Each entry of ``grids:`` (:func:`grid_of`): cells ``grids/<name>/<label>/.../seed<N>``."""
-    bases: dict[str, Any] = {}
-    return [grid_of(config, "grids", spec, name, bases) for name, spec in (config.get("grids") or {}).items()]
-
-
-def grid_entries(config: dict[str, Any], section: str) -> dict[str, dict[str, Any]]:
-    """The entries of a section of several grids, by name: ``search.stages`` or ``grids``."""
-    return (config.get("search") or {}).get("stages") or {} if section == "search" else config.get("grids") or {}
-
-
-def search_points(config: dict[str, Any], stage: str | None = None,
-                  cells: list[Cell] | None = None) -> list[dict[str, Any]]:
-    """Every cell of the search (of ``stage`` only, if given): ``cell`` (its directory under
-    ``search/``), ``stage``, ``labels`` (axis -> label), ``seed``, ``model`` (as the config names
-    it), ``init`` (its shared warm start: ``name``, ``dir``, ``config``; or None) and the full run
-    config."""
-    if cells is None:
-        cells = [c for grid in search_grids(config) for c in expand(grid)]
-    return [{"cell": c.name, "stage": search_stage(c), "labels": dict(c.labels), "seed": c.seed,
-             "model": c.model, "init": None if c.init is None else
-             {"name": c.init.name, "dir": c.init.dir, "config": dict(c.init.config)}, "config": c.config}
-            for c in cells if stage is None or search_stage(c) == stage]
 
 
 def _entries_problems(config: dict[str, Any], section: str, grids: list[Grid]) -> tuple[list[str], list[Cell]]:
