@@ -82,6 +82,8 @@ def test_no_shared_warm_start_without_steps_unless_asked():
 def test_a_grid_that_names_what_it_does_not_have_is_refused():
     with pytest.raises(ValueError, match="exclude names no axis: size"):
         _grid(exclude=({"size": ("s",)},))
+    with pytest.raises(ValueError, match="exclude names labels its axes do not have: lr=high"):
+        _grid(exclude=({"lr": ("high",), "arm": ("all",)},))  # a misspelt label would leave out nothing
     with pytest.raises(ValueError, match="warm start level 'size'"):
         _grid(warm_start=SharedWarmStart(level="size", directory="x"))
 

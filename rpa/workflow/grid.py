@@ -113,6 +113,11 @@ class Grid:
         unknown = sorted({axis for rule in self.exclude for axis in rule if axis not in names})
         if unknown:
             raise ValueError(f"grid {self.name}: exclude names no axis: {', '.join(unknown)}")
+        labels = {axis.name: axis.values for axis in self.axes}
+        absent = sorted({f"{axis}={label}" for rule in self.exclude for axis, allowed in rule.items()
+                         for label in allowed if label not in labels[axis]})
+        if absent:  # a misspelt label would leave out nothing
+            raise ValueError(f"grid {self.name}: exclude names labels its axes do not have: {', '.join(absent)}")
         if self.warm_start is not None and self.warm_start.level not in (BASE, CELL, *names):
             raise ValueError(f"grid {self.name}: warm start level {self.warm_start.level!r} is not "
                              f"{BASE!r}, {CELL!r} or an axis ({', '.join(names)})")

@@ -126,6 +126,8 @@ def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
     exclude = [{"is_correction": applied, "old_logprobs": ["sampler"]}, {"arm": list(anchors), "is_correction": applied}]
     if "off" not in dose["is_corrections"]:  # listed for the anchors only
         exclude.append({"arm": list(doses), "is_correction": ["off"]})
+    exclude = [rule for rule in exclude if all(rule.values()) and  # what the grid has: nothing to leave out else
+               ("sampler" in dose["old_logprobs"] or "old_logprobs" not in rule)]
     return {"base": dose["base"], "overrides": {"model": dose["model"]}, "seeds": dose["seeds"],
             "axes": {"arm": {**doses, **anchors},
                      "is_correction": {c: {"is_correction": c} for c in corrections},
