@@ -67,10 +67,10 @@ rule grid_warm_start:
 # ---------------------------------------------------------------- the runs, one process per group
 
 # where a grid's finished runs keep their start as `ancient` input: the warm starts of the search and of
-# the `grids` entries are named by what they read (<section>/init/<...>-<digest>), so a rebuilt one is the same checkpoint and committed
-# runs restored into place (analysis.restore_reference) are not made stale by it; the other grids'
-# fixed init directories (dose/init, study/<model>/init) can be rebuilt from changed settings, which
-# must rerun their runs
+# the `grids` entries are named by what they read (<section>/init/<...>-<digest>), so a rebuilt one is
+# the same checkpoint and committed runs restored into place (analysis.restore_reference) are not made
+# stale by it; the other grids' fixed init directories (dose/init, study/<model>/init) can be rebuilt
+# from changed settings, which must rerun their runs
 ANCIENT_START = {"search", "grids"}
 
 

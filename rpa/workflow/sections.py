@@ -32,6 +32,13 @@ def _located_models(config: dict[str, Any]) -> dict[str, str]:
     return {name: model_location(config, name) for name in config.get("models") or {}}
 
 
+def _base(path: str, bases: dict[str, Any]) -> dict[str, Any]:
+    """The run YAML ``path``, read once: ``bases`` keeps what was read, by path."""
+    if path not in bases:
+        bases[path] = load_yaml(path)
+    return bases[path]
+
+
 def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: str | None = None,
             bases: dict[str, Any] | None = None) -> Grid:
     """One grid entry as a :class:`~rpa.workflow.grid.Grid`: the one shape every experiment has --
@@ -51,16 +58,14 @@ def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: s
     (fixed warm-start folders, which the positive control and the study use: their runs rerun when the
     warm start is rebuilt, where a digest-named one is the same checkpoint). Cells are ``<section>/[<stage>/]<labels>/seed<N>`` under the results; ``bases``: run YAMLs already
     read, by path (each read once)."""
-    bases = {} if bases is None else bases
-    if spec["base"] not in bases:
-        bases[spec["base"]] = load_yaml(spec["base"])
+    base = _base(spec["base"], {} if bases is None else bases)
     shared = spec.get("shared_warm_start") or False
     if shared is True:
         shared = {"level": CELL, "directory": f"{section}/init/{{model_name}}-ws{{steps}}-seed{{seed}}-{{digest}}"}
     warm_start = None if not shared else SharedWarmStart(
         level=shared.get("level", CELL), directory=f"{config['results']}/{shared['directory']}",
         only_with_steps=shared.get("only_with_steps", True))
-    return Grid(name=section if stage is None else f"{section}/{stage}", base=bases[spec["base"]],
+    return Grid(name=section if stage is None else f"{section}/{stage}", base=base,
                 overrides=spec.get("overrides") or {},
                 axes=tuple(Axis(axis, values) for axis, values in (spec.get("axes") or {}).items()),
                 seeds=tuple(spec["seeds"]),
@@ -107,7 +112,7 @@ def dose_label(dose) -> str:
     return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
 
 
-def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
+def dose_spec(config: dict[str, Any], bases: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``dose:`` section as a grid entry (:func:`grid_of`), the positive control: arms (the
     sampler-only doses on the base's numerics, then the x-axis anchors, each a numerics configuration
     in full) x IS correction x old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``,
@@ -115,7 +120,7 @@ def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
     sampler's old logprobs (the correction would be applied twice: TrainConfig refuses it), and the
     anchors with a correction (an anchor runs uncorrected)."""
     dose = config["dose"]
-    base = load_yaml(dose["base"])
+    base = _base(dose["base"], {} if bases is None else bases)
     doses = {dose_label(d): {"numerics": {
         **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
         **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}}
@@ -138,7 +143,8 @@ def dose_spec(config: dict[str, Any]) -> dict[str, Any]:
 
 def dose_grid(config: dict[str, Any]) -> Grid:
     """The positive control (:func:`dose_spec`)."""
-    return grid_of(config, "dose", dose_spec(config))
+    bases: dict[str, Any] = {}  # the base is read once, for the doses' numerics and the grid
+    return grid_of(config, "dose", dose_spec(config, bases), bases=bases)
 
 
 def dose_points(config: dict[str, Any], cells: list[Cell] | None = None) -> list[dict[str, Any]]:
@@ -215,11 +221,6 @@ def search_grids(config: dict[str, Any]) -> list[Grid]:
             for name, stage in (search.get("stages") or {}).items()]
 
 
-def search_stage(cell: Cell) -> str:
-    """The search stage a cell of :func:`search_grids` belongs to (its grid is ``search/<stage>``)."""
-    return grid_stage(cell)
-
-
 def search_points(config: dict[str, Any], stage: str | None = None,
                   cells: list[Cell] | None = None) -> list[dict[str, Any]]:
     """Every cell of the search (of ``stage`` only, if given): ``cell`` (its directory under
@@ -228,10 +229,10 @@ def search_points(config: dict[str, Any], stage: str | None = None,
     config."""
     if cells is None:
         cells = [c for grid in search_grids(config) for c in expand(grid)]
-    return [{"cell": c.name, "stage": search_stage(c), "labels": dict(c.labels), "seed": c.seed,
+    return [{"cell": c.name, "stage": grid_stage(c), "labels": dict(c.labels), "seed": c.seed,
              "model": c.model, "init": None if c.init is None else
              {"name": c.init.name, "dir": c.init.dir, "config": dict(c.init.config)}, "config": c.config}
-            for c in cells if stage is None or search_stage(c) == stage]
+            for c in cells if stage is None or grid_stage(c) == stage]
 
 
 def named_grids(config: dict[str, Any]) -> list[Grid]:
