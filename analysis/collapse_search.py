@@ -49,7 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.runs import load_run  # noqa: E402
+from analysis.runs import flags, load_run  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import (ABSORBING_MAX_REWARD, ABSORBING_MAX_REWARD_STD, RULE_VERSION,  # noqa: E402
                                  TERMINAL_STEPS, CollapseThresholds, sensitivity_settings)
@@ -121,7 +121,9 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
                        max_pre_collapse_phantom_clip=_max(before, PHANTOM),
                        max_pre_drop_mismatch=_max(before_drop, MISMATCH),
                        max_pre_drop_phantom_clip=_max(before_drop, PHANTOM))
-            curves.append(m.assign(**c["labels"], seed=c["seed"]))
+            # a metric an arm does not log is all missing in its runs: left out, so that the runs' curves
+            # concatenate by the columns they have (pandas' dtype rule for all-missing columns is changing)
+            curves.append(m.dropna(axis=1, how="all").assign(**c["labels"], seed=c["seed"]))
         if run.evals:  # held-out reward and accuracy (eval_temperature; 0: greedy) at the first and last evaluation
             first, last = run.evals[0], run.evals[-1]
             row.update(first_eval_step=first["step"], first_eval_reward=first["eval/reward"],
@@ -157,7 +159,7 @@ def paired_pilot(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame) -> tuple[
             m = curves[curves["cell"] == cell].sort_values("step") if "cell" in curves else pd.DataFrame()
             n = max(1, round(len(m) * fraction))  # several updates per generation log fewer steps
             first, last = (float(m["reward"].head(n).mean()), float(m["reward"].tail(n).mean())) if len(m) else (None, None)
-            stable = bool((c["status"] == "ok").all() and not c["collapsed"].fillna(False).astype(bool).any())
+            stable = bool((c["status"] == "ok").all() and not flags(c["collapsed"]).any())
             row.update(control_first_reward=first, control_last_reward=last,
                        control_gain=None if first is None else last - first, control_stable=stable,
                        control_step1_mismatch=float(c["step1_mismatch"].iloc[0]),
@@ -200,7 +202,7 @@ def pilot(runs: pd.DataFrame, rule: dict) -> tuple[pd.DataFrame, dict]:
     done = runs["step1_entropy"].notna() if "step1_entropy" in runs else pd.Series(False, index=runs.index)
     eligible = done & (runs.get("step1_entropy", np.nan) >= min_entropy) & \
         runs.get("initial_reward", np.nan).between(lo, hi)
-    out = runs.assign(eligible=eligible.fillna(False).astype(bool), chosen=False)
+    out = runs.assign(eligible=flags(eligible), chosen=False)
     choice = {"rule": {"min_entropy": min_entropy, "reward_low": lo, "reward_high": hi,
                        "reward_steps": rule.get("reward_steps", 3)},
               "cells": int(len(out)), "finished": int(done.sum()), "eligible": int(out["eligible"].sum())}
@@ -244,7 +246,7 @@ def groups(runs: pd.DataFrame, axes: list[str], confidence: float) -> pd.DataFra
     for key, g in runs.groupby(axes, sort=False):
         key = key if isinstance(key, tuple) else (key,)
         done = g[g["state"] == "finished"]
-        collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(dtype=bool)
+        collapsed = flags(done["collapsed"]) if "collapsed" in done else pd.Series(dtype=bool)
         k, n = int(collapsed.sum()), len(done)
         low, high = clopper_pearson(k, n, confidence)
         rows.append({**dict(zip(axes, key)), "runs": len(g), "finished": n,
@@ -255,7 +257,7 @@ def groups(runs: pd.DataFrame, axes: list[str], confidence: float) -> pd.DataFra
                      "final_reward": done["final_reward"].mean() if n else None,
                      "final_reward_sd": done["final_reward"].std() if n > 1 else None,
                      "terminal_reward": done["terminal_reward"].mean() if n and "terminal_reward" in done else None,
-                     "absorbing": int(done["absorbing"].fillna(False).astype(bool).sum())
+                     "absorbing": int(flags(done["absorbing"]).sum())
                      if n and "absorbing" in done else 0,
                      "reward_auc": done["reward_auc"].mean() if n and "reward_auc" in done else None,
                      "entropy": done["entropy"].mean() if n else None,
@@ -328,7 +330,7 @@ def decision(runs: pd.DataFrame, rule: dict) -> dict:
     need, allow = rule.get("min_reference_collapsed", 3), rule.get("max_control_collapsed", 0)
     confidence = rule.get("confidence", 0.95)
     done = runs[runs["state"] == "finished"].assign(
-        collapsed=lambda d: d["collapsed"].fillna(False).astype(bool))
+        collapsed=lambda d: flags(d["collapsed"]))
     rungs, collapsing = [], []
     for label, g in done.groupby(rung, sort=False):
         r, c = g[g[arm] == ref], g[g[arm] == ctl]
@@ -474,7 +476,7 @@ def comparison(runs: pd.DataFrame, rule: dict, curves: pd.DataFrame | None = Non
     arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
     ref, ctl, treat = rule.get("reference_arm", "none"), rule.get("control_arm", "fp32"), rule.get("treatment_arm", "all")
     done = runs[runs["state"] == "finished"]
-    collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(False, done.index)
+    collapsed = flags(done["collapsed"]) if "collapsed" in done else pd.Series(False, done.index)
     r, t = collapsed[done[arm] == ref], collapsed[done[arm] == treat]
     out = {"reference_arm": ref, "treatment_arm": treat, "reference": [int(r.sum()), len(r)],
            "treatment": [int(t.sum()), len(t)],
@@ -582,7 +584,7 @@ def questions(runs: pd.DataFrame, rule: dict) -> dict:
     often than arm ``b`` (one-sided Fisher exact on the collapse counts, at ``alpha``) -- the verdict --
     and, beside it, the reward AUC of ``a`` minus ``b`` paired by seed (exact signed-rank, two-sided)."""
     arm, alpha = rule.get("arm_axis", "arm"), rule.get("alpha", 0.05)
-    done = runs[runs["state"] == "finished"].assign(collapsed=lambda d: d["collapsed"].fillna(False).astype(bool))
+    done = runs[runs["state"] == "finished"].assign(collapsed=lambda d: flags(d["collapsed"]))
     unfinished = int((runs["state"] != "finished").sum())
     out = {"alpha": alpha, "unfinished": unfinished, "questions": {}}
     for name, q in (rule.get("questions") or {}).items():
@@ -787,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary["questions"] = questions(runs, rule)
         sens = sensitivity_groups(runs, axes)
         summary["sensitivity"] = sens.to_dict(orient="records")
-        ended = runs[runs.get("absorbing", pd.Series(False, index=runs.index)).fillna(False).astype(bool)]
+        ended = runs[flags(runs.get("absorbing", pd.Series(False, index=runs.index)))]
         summary["absorbing"] = [{"cell": r["cell"], "verdict": r["verdict"], "terminal_reward": r["terminal_reward"],
                                  "final_reward": r["final_reward"]} for _, r in ended.iterrows()]
         table = runs
@@ -822,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
                          for rung, r in ratios.items()) + ".\n\n")
         text += (f"Verdicts under collapse rule {RULE_VERSION} (`rpa.train.collapse.RULE_VERSION`), recomputed from each "
                  f"run's metric log; `summary_superseded` in the CSV marks a run whose `summary.json` holds an earlier "
-                 f"rule's different verdict ({int(runs.get('summary_superseded', pd.Series(dtype=bool)).fillna(False).sum())} "
+                 f"rule's different verdict ({int(flags(runs.get('summary_superseded', pd.Series(dtype=bool))).sum())} "
                  f"here).\n\n")
         text += (f"Per group: collapsed / finished runs with an exact {100 * confidence:.0f}% interval on the collapse rate; "
                  f"final reward smoothed (the rule's window) and raw terminal reward (mean of the last {TERMINAL_STEPS} "

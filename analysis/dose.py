@@ -54,7 +54,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.runs import load_run  # noqa: E402
+from analysis.runs import flags, load_run  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text,  # noqa: E402
                                  sensitivity_settings)
@@ -164,8 +164,8 @@ def counted(runs: pd.DataFrame) -> pd.DataFrame:
         pd.Series(np.nan, index=runs.index)
     recovered = runs["recovered_step"].notna() if "recovered_step" in runs else pd.Series(False, index=runs.index)
     absorbing = runs["absorbing"] if "absorbing" in runs else pd.Series(False, index=runs.index)
-    return runs.assign(collapsed=runs["collapsed"].astype("boolean").fillna(False).astype(int),
-                       absorbing=absorbing.astype("boolean").fillna(False).astype(int),
+    return runs.assign(collapsed=flags(runs["collapsed"]).astype(int),
+                       absorbing=flags(absorbing).astype(int),
                        unconfirmed=(verdict == "unconfirmed").astype(int), recovered=recovered.astype(int),
                        grad_spikes=spikes.fillna(0).astype(int), grad_spike_runs=(spikes.fillna(0) > 0).astype(int))
 
@@ -506,7 +506,7 @@ def _superseded_text(runs: pd.DataFrame) -> str:
     """Which runs' ``summary.json`` verdicts (an earlier rule's) these tables supersede."""
     if "summary_superseded" not in runs:
         return ""
-    old = runs[runs["summary_superseded"].astype("boolean").fillna(False).astype(bool)]
+    old = runs[flags(runs["summary_superseded"])]
     if old.empty:
         return "every run's `summary.json` verdict agrees with it."
     names = ", ".join(f"{a}/{c}-{o}/seed{s}" for a, c, o, s in
@@ -550,7 +550,7 @@ def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, th: pd.DataFrame, anch
             + _superseded_text(runs) + " " + rule
             + f" Beside the smoothed final reward, the raw reward of each run's last {TERMINAL_STEPS} logged steps, "
               "and `absorbing`: runs that end with a raw reward about 0 in groups without reward variance "
-              f"(`rpa.train.collapse.terminal_state`; {int(pd.Series(runs.get('absorbing')).fillna(False).astype(bool).sum())} "
+              f"(`rpa.train.collapse.terminal_state`; {int(flags(pd.Series(runs.get('absorbing'))).sum())} "
               "here), whatever the rule says."
             + "\n\n### Threshold\n\nHalf-collapse dose per curve (dose arms: bf16-none and perturb-mantissa*, "
               "each curve with its own IS correction and old-logprob setting), from a logistic fit on "

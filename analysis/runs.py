@@ -97,3 +97,10 @@ def load_run(run_dir: Path) -> Run:
     return Run(dir=run_dir, summary=summary, config=config,
                metrics=read_jsonl(run_dir / "metrics.jsonl") if ended else [],
                evals=read_jsonl(run_dir / "eval.jsonl") if ended else [])
+
+
+def flags(column):
+    """A table's flag column (``collapsed``, ``absorbing``, ``summary_superseded``: True, False or
+    missing) as booleans, a missing flag False: through pandas' nullable ``boolean``, so an
+    all-missing or object column is read the same way by every analysis."""
+    return column.astype("boolean").fillna(False).astype(bool)

@@ -57,7 +57,7 @@ import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from analysis.runs import load_run  # noqa: E402
+from analysis.runs import flags, load_run  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, sensitivity_settings  # noqa: E402
 
@@ -115,7 +115,7 @@ def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
         for arm in arms_of(manifest, model):
             g = runs[(runs.model == model) & (runs.arm == arm)]
             done = g[g.state == "finished"]
-            collapsed = done["collapsed"].fillna(False).astype(bool) if "collapsed" in done else pd.Series(dtype=bool)
+            collapsed = flags(done["collapsed"]) if "collapsed" in done else pd.Series(dtype=bool)
             spikes = done["grad_spikes"].dropna() if "grad_spikes" in done else pd.Series(dtype=float)
             rows.append({"model": model, "arm": arm, "runs": len(g), "finished": len(done),
                          "failed": int((g.state == "failed").sum()), "missing": int((g.state == "missing").sum()),
@@ -127,7 +127,7 @@ def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
                          "peak_reward": _mean_sd(done.get("peak_reward", pd.Series(dtype=float))),
                          "final_reward": _mean_sd(done.get("final_reward", pd.Series(dtype=float))),
                          "terminal_reward": _mean_sd(done.get("terminal_reward", pd.Series(dtype=float))),
-                         "absorbing": int(done["absorbing"].fillna(False).astype(bool).sum())
+                         "absorbing": int(flags(done["absorbing"]).sum())
                          if len(done) and "absorbing" in done else None,
                          "final_eval_accuracy": _mean_sd(done.get("final_eval_accuracy", pd.Series(dtype=float))),
                          "rule_version": RULE_VERSION})
@@ -538,7 +538,7 @@ def heatmap(runs: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
         for j, arm in enumerate(arms):
             done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
             if len(done):
-                k = int(done["collapsed"].fillna(False).astype(bool).sum())
+                k = int(flags(done["collapsed"]).sum())
                 share[i, j], text[i][j] = k / len(done), f"{k}/{len(done)}"
     fig, ax = plt.subplots(figsize=(0.6 * len(arms) + 1.4, 0.42 * len(models) + 1.6))
     cmap = plt.get_cmap("Reds").copy()

@@ -24,7 +24,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.figures import save_grid  # noqa: E402
-from analysis.runs import load_run  # noqa: E402
+from analysis.runs import flags, load_run  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 
 RUN_COLUMNS = ("model", "setting", "regions", "seed", "steps", "collapsed", "collapse_step", "collapse_reason",
@@ -61,7 +61,7 @@ def markdown(runs: pd.DataFrame) -> str:
         terminal_reward=("terminal_reward", "mean"), absorbing=("absorbing", "sum"),
         reward_auc=("reward_auc", "mean"), mean_abs_dlogp=("mean_abs_dlogp", "mean")).reset_index()
     version = ", ".join(sorted(set(runs["rule_version"].dropna().astype(str)))) or "n/a"
-    superseded = int(runs["summary_superseded"].fillna(False).astype(bool).sum())
+    superseded = int(flags(runs["summary_superseded"]).sum())
     note = (f"Verdicts recomputed under collapse rule {version} (`rpa.train.collapse.RULE_VERSION`); "
             f"{superseded} run(s) whose `summary.json` holds an earlier rule's different verdict "
             f"(`summary_superseded`: read this table's). `final_reward`: smoothed over the rule's window; "

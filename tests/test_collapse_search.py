@@ -463,3 +463,24 @@ def test_a_finished_search_is_not_run_again(tmp_path):
     assert proc.returncode == 0, tail(proc, 6000)
     again = snakemake("--cores", "2", "collapse_pilot", "--configfile", str(cfg))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
+
+
+def test_an_incomplete_grid_with_arm_only_metrics_loads_without_pandas_deprecations(tmp_path):
+    """A missing run (no verdict: flags missing) beside finished ones, and a metric only one arm logs:
+    read under warnings-as-errors, so a pandas dtype rule that is changing cannot decide a table."""
+    import warnings
+
+    from analysis.runs import flags
+
+    manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)
+    extra = tmp_path / "search" / manifest["cells"][0]["cell"] / "metrics.jsonl"
+    lines = [{**json.loads(x), "mismatch/self_residual": None} for x in extra.read_text().splitlines()]
+    extra.write_text("".join(json.dumps(x) + "\n" for x in lines))  # logged, but all missing
+    (tmp_path / "search" / manifest["cells"][1]["cell"] / "summary.json").unlink()  # a run not finished
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runs, curves = load_runs(tmp_path, manifest)
+        collapsed = flags(runs["collapsed"])
+    assert collapsed.dtype == bool and not collapsed.any()
+    assert (runs["state"] == "missing").sum() == 1 and "mismatch/self_residual" not in curves
+    assert flags(pd.Series([True, None, False, float("nan")], dtype=object)).tolist() == [True, False, False, False]
