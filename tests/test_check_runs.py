@@ -1,0 +1,41 @@
+"""analysis.check_runs: runs made again against committed runs of the same cells, exactly."""
+
+import json
+
+from analysis.check_runs import main
+
+
+def _run(root, cell, grad_norm=0.5, step_time=1.0, final_reward=0.4):
+    run = root / cell
+    run.mkdir(parents=True)
+    lines = [{"step": i + 1, "reward": 0.25 * i, "grad_norm": grad_norm, "step_time": step_time * (i + 1)}
+             for i in range(3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run / "eval.jsonl").write_text(json.dumps({"step": 3, "eval/accuracy": 0.5}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"status": "ok", "verdict": "stable", "steps": 3,
+                                                   "final_reward": final_reward, "wall_s": step_time}))
+
+
+def test_identical_runs_pass_whatever_their_timings(tmp_path, capsys):
+    _run(tmp_path / "ref", "m/none/seed0")
+    _run(tmp_path / "new", "m/none/seed0", step_time=7.0)
+    _run(tmp_path / "new", "m/fp32/seed0")  # no committed counterpart: listed, not compared
+    assert main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "ref"),
+                 "--out", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "m/none/seed0: identical" in out and "m/fp32/seed0: no reference run" in out
+    assert json.loads((tmp_path / "c.json").read_text())["cells"]["m/none/seed0"] == "identical"
+
+
+def test_one_bit_of_one_logged_value_is_a_difference(tmp_path, capsys):
+    _run(tmp_path / "ref", "m/none/seed0", grad_norm=0.5)
+    _run(tmp_path / "new", "m/none/seed0", grad_norm=0.5000000000000001, final_reward=0.41)
+    assert main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "ref")]) == 1
+    out = capsys.readouterr().out
+    assert "metrics record 1: grad_norm" in out and "summary: final_reward" in out
+
+
+def test_nothing_to_compare_is_an_error(tmp_path):
+    _run(tmp_path / "new", "m/none/seed0")
+    (tmp_path / "ref").mkdir()
+    assert main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "ref")]) == 2
