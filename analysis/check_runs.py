@@ -13,7 +13,6 @@ compared. Exit status 1 if any compared run differs, 2 if none could be compared
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=Path, required=True, help="folder of the committed runs, same layout")
     ap.add_argument("--out", type=Path, help="also write the comparison as JSON here")
     args = ap.parse_args(argv)
+    for folder in (args.runs, args.reference):
+        if not folder.is_dir():
+            ap.error(f"{folder} is not a folder")  # exit 2, nothing written
     result = compare(args.runs, args.reference)
     for cell, verdict in result.items():
         print(f"{cell}: {verdict if isinstance(verdict, str) else '; '.join(verdict)}")

@@ -39,3 +39,13 @@ def test_nothing_to_compare_is_an_error(tmp_path):
     _run(tmp_path / "new", "m/none/seed0")
     (tmp_path / "ref").mkdir()
     assert main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "ref")]) == 2
+
+
+def test_a_missing_folder_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
+    import pytest
+
+    _run(tmp_path / "new", "m/none/seed0")
+    with pytest.raises(SystemExit) as stop:
+        main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "nope"), "--out", str(tmp_path / "c.json")])
+    assert stop.value.code == 2 and f"{tmp_path / 'nope'} is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
