@@ -677,6 +677,13 @@ def _figure_paired_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
     plt.close(fig)
 
 
+def runs_per_arm(curves: pd.DataFrame, axes_names: list[str], arm: str) -> pd.Series:
+    """How many runs of each arm the curves hold (a run: its labels and seed), for the grid figure's
+    legend: an arm of an incomplete grid has fewer runs, and its band (min-max over seeds) is narrower."""
+    runs = curves[[a for a in axes_names if a in curves] + ["seed"]].drop_duplicates()
+    return runs[arm].value_counts()
+
+
 def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -> None:
     arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
     axes_names = list(manifest["axes"])
@@ -690,6 +697,7 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
     panels = list(manifest["axes"].get(rung, [None])) if rung in axes_names else [None]
     fig, axs = plt.subplots(2, len(panels), figsize=(max(4.2 * len(panels), 6.0), 6.5), squeeze=False)
     arms = list(manifest["axes"][arm])
+    runs_drawn = runs_per_arm(curves, axes_names, arm)
     for j, panel in enumerate(panels):
         part = curves if panel is None else curves[curves[rung] == panel]
         for i, a in enumerate(arms):
@@ -698,7 +706,7 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
                 continue
             for row, key, log in ((0, "reward", False), (1, MISMATCH, True)):
                 s = g.groupby("step")[key].agg(["mean", "min", "max"]).reset_index()
-                axs[row, j].plot(s["step"], s["mean"], color=f"C{i}", label=a, lw=1.2)
+                axs[row, j].plot(s["step"], s["mean"], color=f"C{i}", label=f"{a} ({runs_drawn.get(a, 0)} runs)", lw=1.2)
                 axs[row, j].fill_between(s["step"], s["min"], s["max"], color=f"C{i}", alpha=0.12)
                 if log:
                     axs[row, j].set_yscale("log")

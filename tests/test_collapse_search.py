@@ -484,3 +484,14 @@ def test_an_incomplete_grid_with_arm_only_metrics_loads_without_pandas_deprecati
     assert collapsed.dtype == bool and not collapsed.any()
     assert (runs["state"] == "missing").sum() == 1 and "mismatch/self_residual" not in curves
     assert flags(pd.Series([True, None, False, float("nan")], dtype=object)).tolist() == [True, False, False, False]
+
+
+def test_runs_per_arm_counts_runs_not_steps():
+    """The grid figure's legend: each arm's runs (labels and seed), however many steps each logged."""
+    from analysis.collapse_search import runs_per_arm
+
+    curves = pd.DataFrame([{"lr": lr, "arm": arm, "seed": seed, "step": step}
+                           for lr, arm, seeds in (("a", "none", (0, 1, 2)), ("b", "none", (0,)), ("a", "fp32", (0,)))
+                           for seed in seeds for step in (1, 5, 9)])
+    counts = runs_per_arm(curves, ["lr", "arm"], "arm")
+    assert counts.to_dict() == {"none": 4, "fp32": 1}
