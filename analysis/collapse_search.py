@@ -538,6 +538,45 @@ def signed_rank_p(differences: list[float]) -> float | None:
     return count / (1 << n)
 
 
+def _shift_text(shift: dict | None) -> str:
+    """The Hodges-Lehmann shift and its exact interval as the grid's statement gives it ('' when none)."""
+    if not shift:
+        return ""
+    return (f"; Hodges-Lehmann shift {shift['estimate']:.3g}, exact {100 * shift['coverage']:.1f}% interval "
+            f"{shift['low']:.3g} to {shift['high']:.3g} (the signed-rank test inverted)")
+
+
+def signed_rank_null(n: int) -> list[int]:
+    """How many of the ``2**n`` sign assignments give each signed-rank sum W+ = 0 .. n(n+1)/2, ranks
+    1..n without ties (the exact null distribution, by convolution)."""
+    counts = [1]
+    for rank in range(1, n + 1):
+        counts = [(counts[w] if w < len(counts) else 0) + (counts[w - rank] if 0 <= w - rank < len(counts) else 0)
+                  for w in range(len(counts) + rank)]
+    return counts
+
+
+def signed_rank_interval(differences: list[float], confidence: float = 0.95) -> dict | None:
+    """The Hodges-Lehmann shift of paired differences (median of their Walsh averages) with the exact
+    distribution-free interval that inverts the two-sided signed-rank test (Hollander & Wolfe): the k-th
+    smallest and k-th largest Walsh average, k the largest with 2 P(W+ < k) <= 1 - confidence, so its
+    coverage (returned, exact for continuous symmetric differences) is at least ``confidence``. None when
+    no k reaches it (5 pairs or fewer at 95%: the same seeds for which the test cannot reject)."""
+    d = [x for x in differences if not math.isnan(x)]
+    n = len(d)
+    if n == 0:
+        return None
+    walsh = sorted((d[i] + d[j]) / 2 for i in range(n) for j in range(i, n))
+    null, k, below = signed_rank_null(n), 0, 0
+    while k < len(null) and 2 * (below + null[k]) / 2 ** n <= 1 - confidence:  # P(W+ <= k) within both tails' budget
+        below += null[k]
+        k += 1
+    if k == 0:
+        return None
+    return {"estimate": float(np.median(walsh)), "low": walsh[k - 1], "high": walsh[-k],
+            "coverage": 1 - 2 * below / 2 ** n, "confidence": confidence}
+
+
 def fisher_power(n_a: int, n_b: int, rate_a: float, rate_b: float, alpha: float) -> float:
     """Power of the one-sided Fisher test (a collapses more often than b) at true rates ``rate_a``,
     ``rate_b`` with ``n_a``, ``n_b`` runs: the exact sum over every outcome."""
@@ -600,7 +639,8 @@ def questions(runs: pd.DataFrame, rule: dict) -> dict:
             pairs = auc[[q["a"], q["b"]]].dropna()
             diff = (pairs[q["a"]] - pairs[q["b"]]).tolist()
             entry["reward_auc"] = {"pairs": len(diff), "mean_difference": float(np.mean(diff)) if diff else None,
-                                   "a_lower": int(sum(x < 0 for x in diff)), "signed_rank_p": signed_rank_p(diff)}
+                                   "a_lower": int(sum(x < 0 for x in diff)), "signed_rank_p": signed_rank_p(diff),
+                                   "shift": signed_rank_interval(diff, rule.get("confidence", 0.95))}
         if unfinished:
             entry["answer"] = "grid incomplete"
         else:
@@ -814,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{q['fisher_p'] if q['fisher_p'] is None else format(q['fisher_p'], '.3g')}): "
                      f"**{q['answer']}**; reward AUC `{q['a']}` - `{q['b']}` paired by seed: mean "
                      f"{auc.get('mean_difference') if auc.get('mean_difference') is None else format(auc['mean_difference'], '.3g')}, "
-                     f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}.\n\n")
+                     f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}"
+                     f"{_shift_text(auc.get('shift'))}.\n\n")
         confidence = (manifest.get("decision") or {}).get("confidence", 0.95)
         absorbing = "; ".join(f"{a['cell']} (verdict {a['verdict']}, raw terminal reward {a['terminal_reward']:.3g}, "
                               f"smoothed final reward {a['final_reward']:.3g})" for a in summary["absorbing"]) or "none"

@@ -471,16 +471,21 @@ def _questions_table(grid: dict) -> list[str]:
     rows = []
     for name, q in qs.items():
         auc = q.get("reward_auc") or {}
+        shift = auc.get("shift") or {}
         rows.append({"question": name, "a": q["a"], "a collapsed": "{}/{}".format(*q["a_collapsed"]),
                      "b": q["b"], "b collapsed": "{}/{}".format(*q["b_collapsed"]),
                      "Fisher p (one-sided)": q.get("fisher_p"), "reward AUC a - b": auc.get("mean_difference"),
                      "seed pairs": auc.get("pairs", 0), "signed-rank p": auc.get("signed_rank_p"),
+                     "HL shift": shift.get("estimate"),
+                     "exact interval": (f"{shift['low']:.3g} to {shift['high']:.3g} ({100 * shift['coverage']:.1f}%)"
+                                        if shift else None),
                      "answer": q["answer"]})
     alpha = (grid.get("questions") or {}).get("alpha")
     text = "; ".join(f"{name}: {q['question']}" for name, q in qs.items())
     return [escape(text), booktabs(pd.DataFrame(rows), f"The real-model grid's questions (collapse counts: finished "
                                    f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
-                                   f"with an exact two-sided signed-rank test)", "tab:realquestions", placement="H")]
+                                   f"with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
+                                   f"the exact interval that inverts it)", "tab:realquestions", placement="H")]
 
 
 def _real_runs_table(csv: Path) -> list[str]:

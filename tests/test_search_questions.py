@@ -6,8 +6,9 @@ import math
 import pandas as pd
 import pytest
 
-from analysis.collapse_search import (fisher_one_sided, fisher_power, paired_pilot, questions, signed_rank_p,
-                                      smallest_detectable_effect, smallest_detectable_rate)
+from analysis.collapse_search import (fisher_one_sided, fisher_power, paired_pilot, questions, signed_rank_interval,
+                                      signed_rank_null, signed_rank_p, smallest_detectable_effect,
+                                      smallest_detectable_rate)
 
 RULE = {"kind": "paired", "arm_axis": "arm", "reference_arm": "none", "control_arm": "fp32",
         "rung_axes": ["lr", "length"], "learn_fraction": 0.25, "min_gain": 0.05}
@@ -69,6 +70,8 @@ def test_the_grid_questions_use_the_tests_named_in_advance():
     assert q["a_collapsed"] == [5, 8] and q["b_collapsed"] == [0, 8]
     assert q["fisher_p"] == pytest.approx(fisher_one_sided(5, 8, 0, 8)) and q["fisher_p"] < 0.05 and q["answer"] == "yes"
     assert q["reward_auc"]["a_lower"] == 8 and q["reward_auc"]["signed_rank_p"] == pytest.approx(2 / 256)
+    shift = q["reward_auc"]["shift"]  # differences -0.30 .. -0.37: the interval is below zero, as p < 0.05 says
+    assert shift["high"] < 0 and shift["low"] >= -0.37 - 1e-12 and shift["coverage"] == pytest.approx(1 - 10 / 256)
     rows[0]["state"] = "missing"
     assert questions(pd.DataFrame(rows), rule)["questions"]["Q1"]["answer"] == "grid incomplete"
 
@@ -85,6 +88,30 @@ def test_exact_tests_and_power():
     assert smallest_detectable_rate(10, 0.05) < smallest_detectable_rate(8, 0.05) < smallest_detectable_rate(6, 0.05)
     effect = smallest_detectable_effect(8, 0.05)
     assert 1.0 <= effect <= 1.6 and not math.isnan(effect)
+
+
+def test_the_shift_interval_inverts_the_signed_rank_test_with_the_coverage_it_states():
+    """The Hodges-Lehmann interval is the set of shifts the exact two-sided signed-rank test does not
+    reject: a shift just inside either end is kept, one just outside is rejected; its stated coverage is
+    the exact one (8 pairs: k = 4, 1 - 10/256); with 5 pairs no 95% interval exists, as no p < 0.05 does."""
+    import numpy as np
+
+    assert sum(signed_rank_null(8)) == 256 and signed_rank_null(3) == [1, 1, 1, 2, 1, 1, 1]
+    rng = np.random.default_rng(3)
+    for n in (6, 8, 10):
+        d = list(rng.normal(0.05, 0.03, n))
+        ci = signed_rank_interval(d, 0.95)
+        alpha = 1 - ci["coverage"]
+        assert ci["coverage"] >= 0.95 and ci["low"] < ci["estimate"] < ci["high"]
+        walsh = sorted((d[i] + d[j]) / 2 for i in range(n) for j in range(i, n))
+        assert ci["estimate"] == pytest.approx(float(np.median(walsh)))
+        eps = 1e-9
+        for end, inside in ((ci["low"], ci["low"] + eps), (ci["high"], ci["high"] - eps)):
+            outside = 2 * end - inside
+            assert signed_rank_p([x - inside for x in d]) > 0.05
+            assert signed_rank_p([x - outside for x in d]) <= alpha + 1e-12
+    assert signed_rank_interval([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], 0.95)["coverage"] == pytest.approx(1 - 10 / 256)
+    assert signed_rank_interval([0.1, 0.2, 0.3, 0.4, 0.5], 0.95) is None and signed_rank_interval([]) is None
 
 
 def test_the_real_model_search_config_states_its_grid_and_questions():
