@@ -275,6 +275,37 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
     assert real_search_section(None, tmp_path) is None and not (tmp_path / "real_search_section.tex").exists()
 
 
+def test_the_real_model_grid_reaches_the_abstract_as_its_tests_answer_it(tmp_path):
+    """Section 1 and the abstract carry the real-model grid: while it is incomplete, that no question is
+    answered; once complete, each arm's collapse count, each question's answer with its Fisher p, and the
+    paired reward-AUC shift with its exact interval -- the numbers of the grid's own table."""
+    from analysis.paper import real_model_finding, write_claims
+
+    assert real_model_finding(None) is None and real_model_finding(tmp_path) is None
+    res = tmp_path / "real"
+    (res / "tables").mkdir(parents=True)
+    committed = json.loads((_committed(REPO / "results/reference/collapse-smollm2") / "tables/search_grid.json")
+                           .read_text())
+    (res / "tables/search_grid.json").write_text(json.dumps(committed))
+    text = real_model_finding(res)
+    if committed["decision"]["outcome"] == "incomplete":
+        assert "has not finished" in text and "no question" in text
+        committed["decision"]["outcome"] = "does not collapse naturally"  # as a complete grid's summary says
+        (res / "tables/search_grid.json").write_text(json.dumps(committed))
+        text = real_model_finding(res)
+    qs = committed["questions"]["questions"]
+    for name, q in qs.items():
+        assert f"{name} (does {q['a']} collapse more often than {q['b']}?) {q['answer']}" in text
+        assert f"{q['a']} {q['a_collapsed'][0]}/{q['a_collapsed'][1]}" in text
+        shift = q["reward_auc"]["shift"]
+        assert f"{q['a']} - {q['b']} {shift['estimate']:+.3f} ({100 * shift['coverage']:.1f}% interval" in text
+    _committed(REFERENCE / "study/manifest.json")
+    claims = write_claims(REFERENCE, tmp_path, DOSE, None, res).read_text()
+    abstract = claims.split("\\newcommand{\\abstractresults}")[1].split("\\newcommand")[0]
+    assert "On a real pretrained model" in claims and "SmolLM2-135M-Instruct" in abstract
+    assert "On a real pretrained model" not in write_claims(REFERENCE, tmp_path, DOSE).read_text()
+
+
 def test_claims_state_the_findings_both_mismatch_measurements_and_every_commit(tmp_path):
     """Section 1 and the abstract state what the committed results show; each mismatch claim
     gives the offline probe and the in-training result; the miniature's insensitivity to a
