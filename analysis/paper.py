@@ -608,6 +608,8 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
         parts.append(escape(f"The grid (arms and seeds at the chosen rung, its collapse windows, questions, tests "
                             f"and power written in its config before it ran): {grid['decision']['statement']}"))
         parts += _questions_table(grid)
+        if grid["decision"].get("outcome") == "does not collapse naturally":
+            parts.append(escape(_envelope_text(grid.get("envelope") or {})))
         parts += _stage_groups(grid, "The real-model grid's finished runs per arm", "tab:realgrid")
         parts += _real_runs_table(tables / "search_grid.csv")
         parts += _copied_figure(figures / "search_grid.png", out_dir, "real_", "The real-model grid: reward (top) and "

@@ -260,6 +260,8 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
     if grid.exists():
         questions = json.loads(grid.read_text())["questions"]["questions"]
         assert "tab:realquestions" in text and all(q["answer"] in text for q in questions.values())
+        outcome = json.loads(grid.read_text())["decision"]["outcome"]
+        assert ("The envelope explored by the" in text) == (outcome == "does not collapse naturally")
     else:
         assert "The grid has not run yet" in text
     if not (res / "decode/none/summary.json").exists():  # a decode probe as rpa probe writes its summary
