@@ -342,8 +342,13 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
     reach = (f", stock BF16 reaching a mismatch of {env['max_pre_drop_mismatch']:.3g} (mean |dlogp|, before any "
              f"drop) at a mean entropy of {env['mean_entropy']:.2f} nats/token"
              if env.get("max_pre_drop_mismatch") is not None and env.get("mean_entropy") is not None else "")
-    text = (f"On a real pretrained model (SmolLM2-135M-Instruct; the grid and its tests written before it ran) the runs "
-            f"collapsed, per arm: {arms}{reach}. By the pre-registered tests: {answers}.")
+    # each arm's own in-training mismatch: an arm meant as a mismatch-free control is read beside it
+    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
+           if g.get("pre_collapse_mismatch") is not None}
+    mismatch = ("; each arm's mean in-training mismatch (mean |dlogp| before any collapse): "
+                + ", ".join(f"{arm} {value:.2g}" for arm, value in own.items()) if own else "")
+    text = (f"On a real pretrained model (SmolLM2-135M-Instruct; the grid and its tests written before it ran) "
+            f"collapsed runs per arm: {arms}{reach}{mismatch}. By the pre-registered tests: {answers}.")
     if shifts:
         text += (" Beside the verdicts, the reward AUC paired by seed (Hodges-Lehmann shift, the exact interval "
                  "of the signed-rank test): " + "; ".join(shifts) + ".")
