@@ -136,3 +136,28 @@ def test_the_real_model_search_config_states_its_grid_and_questions():
     assert set(rule["questions"]) == {"Q1", "Q2", "Q3", "Q4"}
     assert all(q[side] in {p["labels"]["arm"] for p in grid} for q in rule["questions"].values() for side in "ab")
     assert smallest_detectable_rate(8, rule["alpha"]) == pytest.approx(0.59)  # what the config's comment says
+
+
+@pytest.mark.cli  # the checker runs the grid's analysis in a process of its own
+def test_the_committed_real_model_decision_is_the_one_its_raw_runs_give_and_the_readme_states(capsys):
+    """The real-model grid's decision, recomputed from the committed raw runs (metric logs, configs), is
+    the committed table byte for byte; and the reference README's decision table states each question's
+    counts, answer and shift interval as that table has them (not numbers typed in once)."""
+    import json
+
+    from analysis import check_reference
+    from tests.conftest import REPO
+
+    ref = REPO / "results/reference/collapse-smollm2"
+    assert check_reference.main(["--only", "collapse-smollm2"]) == 0
+    assert "0 differ" in capsys.readouterr().out
+    grid = json.loads((ref / "tables/search_grid.json").read_text())
+    if grid["decision"]["outcome"] == "incomplete":
+        pytest.skip("the committed real-model grid is not complete")
+    readme = (ref / "README.md").read_text().split("## Decision")[1]
+    for name, q in grid["questions"]["questions"].items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {name} "))
+        (ka, na), (kb, nb) = q["a_collapsed"], q["b_collapsed"]
+        assert f"| `{q['a']}` vs `{q['b']}` | {ka}/{na} vs {kb}/{nb} | {q['fisher_p']:.2g} | **{q['answer']}** |" in row
+        shift = q["reward_auc"]["shift"]
+        assert f"{shift['estimate']:+.3f} [{shift['low']:+.3f}, {shift['high']:+.3f}]".replace("+0.000", "0.000") in row
