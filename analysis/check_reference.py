@@ -2,6 +2,10 @@
 
     python -m analysis.check_reference                 # all of results/reference
     python -m analysis.check_reference --only study-cpu
+    python -m analysis.check_reference --only collapse-cpu --write   # after an intended analysis change
+
+``--write`` replaces each differing committed table with the regenerated one (atomically) and says
+which; the diff is then the analysis change's effect on the committed references, to review and commit.
 
 Each reference folder is copied without its ``tables/`` and ``figures/`` into a scratch folder.
 Snakemake itself says how its tables are made: a dry run of the folder's config with ``results``
@@ -24,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from rpa.core.jsonfiles import atomic_path
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "results" / "reference"
@@ -74,8 +80,10 @@ def commands(name: str, results: Path, targets: list[Path]) -> list[str]:
     return chosen
 
 
-def check(name: str, scratch: Path, reference: Path = REFERENCE) -> tuple[list[str], list[str]]:
-    """Regenerate ``<reference>/<name>``'s tables in ``scratch``; (same, differing) table names."""
+def check(name: str, scratch: Path, reference: Path = REFERENCE,
+          write: bool = False) -> tuple[list[str], list[str]]:
+    """Regenerate ``<reference>/<name>``'s tables in ``scratch``; (same, differing) table names. With
+    ``write``, each differing committed table is replaced by the regenerated one."""
     ref = reference / name
     results = scratch / name
     shutil.copytree(ref, results, ignore=shutil.ignore_patterns("tables", "figures", "paper"))
@@ -95,6 +103,9 @@ def check(name: str, scratch: Path, reference: Path = REFERENCE) -> tuple[list[s
         made = results / "tables" / table
         ok = made.exists() and made.read_bytes() == (ref / "tables" / table).read_bytes()
         (same if ok else differ).append(f"{name}/tables/{table}")
+        if write and not ok and made.exists():
+            with atomic_path(ref / "tables" / table) as tmp:
+                tmp.write_bytes(made.read_bytes())
     return same, differ
 
 
@@ -102,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="reference folders to check")
     parser.add_argument("--reference", type=Path, default=REFERENCE, help="the folder holding them")
+    parser.add_argument("--write", action="store_true",
+                        help="replace each differing committed table with the regenerated one")
     args = parser.parse_args(argv)
     names = args.only or sorted(n for n in CONFIGS if (args.reference / n).is_dir())
     same: list[str] = []
@@ -110,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if not (args.reference / name).is_dir():
                 raise SystemExit(f"check_reference: no {args.reference / name}")
-            s, d = check(name, Path(tmp), args.reference)
+            s, d = check(name, Path(tmp), args.reference, args.write)
             same += s
             differ += d
             print(f"{name}: {len(s)} tables identical, {len(d)} differ"
                   + "".join(f"\n  differs: {t}" for t in d), flush=True)
-    print(f"check_reference: {len(same)} identical, {len(differ)} differ")
-    return 1 if differ else 0
+    print(f"check_reference: {len(same)} identical, {len(differ)} differ"
+          + (f" (written: {len(differ)})" if args.write and differ else ""))
+    return 1 if differ and not args.write else 0
 
 
 if __name__ == "__main__":

@@ -59,8 +59,6 @@ PHANTOM = "mismatch/phantom_clip_rate"
 RUN_SETTINGS = ("learning_rate", "temperature", "max_completion_length", "steps", "updates_per_generation")
 """Run-config values every run row carries (from its ``config.json``, as ``config_<name>``: an axis
 label may have the same name): what the envelope reports."""
-FINAL_STEPS = 10
-"""``final_entropy``: the mean policy entropy over a run's last this many logged steps."""
 SENSITIVITY_LABELS = tuple(label for label, _ in sensitivity_settings(CollapseThresholds()))
 POWER_RATES = (0.3, 0.5)
 """True per-run collapse rates at which the decision statement gives the rule's power."""
@@ -86,10 +84,26 @@ def _max(m: pd.DataFrame, key: str):
     return float(m[key].max()) if key in m and m[key].notna().any() else None
 
 
+def final_window(run) -> int:
+    """``final_entropy``'s window: the run's own smoothing window (``collapse.smoothing_window`` of its
+    config), the window of its smoothed final reward, so both "final" values cover the same logged steps."""
+    return int(((run.config or {}).get("collapse") or {}).get("smoothing_window", 1))
+
+
+def _last(m: pd.DataFrame, steps: int, key: str):
+    """The mean of ``key`` over the last ``steps`` logged steps; None where the run logged fewer (a window
+    longer than the run is refused, not shortened: it would silently average the whole run)."""
+    return _mean(m.tail(steps), key) if steps <= len(m) else None
+
+
 def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
               section: str = "search") -> tuple[pd.DataFrame, pd.DataFrame]:
     """(one row per expected cell, per-step metrics of every run with a log); the cells' directories
-    are under ``results/<section>`` (``grids`` for an entry of ``grids:``, :mod:`analysis.grid_summary`)."""
+    are under ``results/<section>`` (``grids`` for an entry of ``grids:``, :mod:`analysis.grid_summary`).
+    Windows: ``initial_reward`` is the mean of the first ``reward_steps`` logged steps, ``final_entropy``
+    the mean over the last :func:`final_window` logged steps (``final_entropy_steps``, the window), left
+    empty where the run logged fewer steps than its window (:func:`_last`); ``last_entropy`` the last
+    logged step's."""
     rows, curves = [], []
     for c in manifest["cells"]:
         run = load_run(results / section / c["cell"])
@@ -111,10 +125,12 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
             before = m[m["step"] < stop] if stop is not None else m
             drop = min((s for s in (stop, row.get("first_dip_step")) if s is not None and pd.notna(s)), default=None)
             before_drop = m[m["step"] < drop] if drop is not None else m
+            last = final_window(run)
             row.update(step1_reward=_first(m, "reward"), step1_entropy=_first(m, "entropy"),
                        step1_mismatch=_first(m, MISMATCH), step1_phantom_clip=_first(m, PHANTOM),
                        initial_reward=float(m["reward"].head(reward_steps).mean()),
-                       entropy=_mean(m, "entropy"), final_entropy=_mean(m.tail(FINAL_STEPS), "entropy"),
+                       entropy=_mean(m, "entropy"), final_entropy=_last(m, last, "entropy"),
+                       final_entropy_steps=last, last_entropy=_last(m, 1, "entropy"),
                        pre_collapse_mismatch=_mean(before, MISMATCH),
                        max_pre_collapse_mismatch=_max(before, MISMATCH),
                        pre_collapse_phantom_clip=_mean(before, PHANTOM),
@@ -127,7 +143,7 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
         if run.evals:  # held-out reward and accuracy (eval_temperature; 0: greedy) at the first and last evaluation
             first, last = run.evals[0], run.evals[-1]
             row.update(first_eval_step=first["step"], first_eval_reward=first["eval/reward"],
-                       first_eval_accuracy=first["eval/accuracy"], final_eval_step=last["step"],
+                       first_eval_accuracy=first["eval/accuracy"], first_eval_prompts=first.get("eval/prompts"), final_eval_step=last["step"],
                        final_eval_reward=last["eval/reward"], final_eval_accuracy=last["eval/accuracy"])
         rows.append(row)
     return pd.DataFrame(rows), (pd.concat(curves, ignore_index=True) if curves else pd.DataFrame())
@@ -542,8 +558,11 @@ def _shift_text(shift: dict | None) -> str:
     """The Hodges-Lehmann shift and its exact interval as the grid's statement gives it ('' when none)."""
     if not shift:
         return ""
+    zeros = shift.get("zeros") or 0
+    dropped = f", {zeros} zero difference{'s' if zeros > 1 else ''} dropped" if zeros else ""
     return (f"; Hodges-Lehmann shift {shift['estimate']:.3g}, exact {100 * shift['coverage']:.1f}% interval "
-            f"{shift['low']:.3g} to {shift['high']:.3g} (the signed-rank test inverted)")
+            f"{shift['low']:.3g} to {shift['high']:.3g} (the signed-rank test inverted; {shift['pairs']} pairs"
+            f"{dropped}, as in its p)")
 
 
 def signed_rank_null(n: int) -> list[int]:
@@ -561,8 +580,12 @@ def signed_rank_interval(differences: list[float], confidence: float = 0.95) -> 
     distribution-free interval that inverts the two-sided signed-rank test (Hollander & Wolfe): the k-th
     smallest and k-th largest Walsh average, k the largest with 2 P(W+ < k) <= 1 - confidence, so its
     coverage (returned, exact for continuous symmetric differences) is at least ``confidence``. None when
-    no k reaches it (5 pairs or fewer at 95%: the same seeds for which the test cannot reject)."""
-    d = [x for x in differences if not math.isnan(x)]
+    no k reaches it (5 pairs or fewer at 95%: the same seeds for which the test cannot reject).
+
+    Zero differences are dropped here as :func:`signed_rank_p` drops them (Wilcoxon's convention), so the
+    estimate, the interval and the p come from the same ``pairs`` (returned, with the ``zeros`` dropped)."""
+    zeros = sum(1 for x in differences if x == 0)
+    d = [x for x in differences if x != 0 and not math.isnan(x)]
     n = len(d)
     if n == 0:
         return None
@@ -574,7 +597,7 @@ def signed_rank_interval(differences: list[float], confidence: float = 0.95) -> 
     if k == 0:
         return None
     return {"estimate": float(np.median(walsh)), "low": walsh[k - 1], "high": walsh[-k],
-            "coverage": 1 - 2 * below / 2 ** n, "confidence": confidence}
+            "coverage": 1 - 2 * below / 2 ** n, "confidence": confidence, "pairs": n, "zeros": zeros}
 
 
 def fisher_power(n_a: int, n_b: int, rate_a: float, rate_b: float, alpha: float) -> float:
@@ -649,6 +672,101 @@ def questions(runs: pd.DataFrame, rule: dict) -> dict:
     return out
 
 
+POST_HOC_OUTCOMES = ("reward_auc", "learning_gain")
+"""A post-hoc comparison's per-run outcome: ``reward_auc``, or ``learning_gain`` = reward AUC minus the same
+run's step-1 reward (the starting point taken out)."""
+
+
+def _outcome(runs: pd.DataFrame, outcome: str) -> pd.Series:
+    if outcome not in POST_HOC_OUTCOMES:
+        raise ValueError(f"post_hoc outcome {outcome!r}: expected one of {', '.join(POST_HOC_OUTCOMES)}")
+    return runs["reward_auc"] if outcome == "reward_auc" else runs["reward_auc"] - runs["step1_reward"]
+
+
+def post_hoc(runs: pd.DataFrame, curves: pd.DataFrame, spec: dict, rule: dict) -> dict:
+    """What the grid's data say beyond its registered questions, each item labelled post hoc: the
+    comparisons of ``spec["comparisons"]`` (config ``post_hoc``, written after the grid ran: ``a`` an arm or a
+    list of arms pooled per seed as their mean, ``b`` an arm, ``outcome`` of :data:`POST_HOC_OUTCOMES`),
+    each paired by seed with the exact signed-rank p and Hodges-Lehmann interval of the questions, and the
+    pooled reward gap per logged step; and per arm, means over seeds: step-1 training reward, raw reward gain
+    from the first logged step to the terminal reward (mean of the last :data:`TERMINAL_STEPS`), entropy at
+    the first and last logged step (runs whose entropy fell), the last step's entropy range, and the first
+    held-out evaluation -- whether it is one measurement (identical over seeds) and how many prompts it
+    solved."""
+    arm, confidence = rule.get("arm_axis", "arm"), rule.get("confidence", 0.95)
+    done = runs[runs["state"] == "finished"]
+    out: dict = {"comparisons": {}, "arms": {}}
+    for name, c in (spec.get("comparisons") or {}).items():
+        a = list(c["a"]) if isinstance(c["a"], (list, tuple)) else [c["a"]]
+        b, outcome = c["b"], c.get("outcome", "reward_auc")
+        table = done.assign(_v=_outcome(done, outcome)).pivot_table(index="seed", columns=arm, values="_v",
+                                                                    aggfunc="first")
+        if not all(x in table for x in [*a, b]):
+            continue
+        pairs = table[[*a, b]].dropna()
+        diff = (pairs[a].mean(axis=1) - pairs[b]).tolist()
+        entry = {"a": a, "b": b, "outcome": outcome, "pairs": len(diff),
+                 "mean_difference": float(np.mean(diff)) if diff else None, "a_lower": int(sum(x < 0 for x in diff)),
+                 "signed_rank_p": signed_rank_p(diff), "shift": signed_rank_interval(diff, confidence)}
+        if len(curves) and "reward" in curves:
+            per = curves[curves[arm].isin([*a, b])].pivot_table(index=["seed", "step"], columns=arm, values="reward",
+                                                                aggfunc="first").dropna()
+            gap = (per[a].mean(axis=1) - per[b]).groupby(level="step").mean()
+            entry["reward_gap_by_step"] = {int(k): float(v) for k, v in gap.items()}
+        out["comparisons"][name] = entry
+    for name, g in done.groupby(arm, sort=False):
+        evals = g["first_eval_accuracy"].dropna() if "first_eval_accuracy" in g else pd.Series(dtype=float)
+        prompts = g["first_eval_prompts"].dropna() if "first_eval_prompts" in g else pd.Series(dtype=float)
+        first, last = g["step1_entropy"], g["last_entropy"]
+        out["arms"][str(name)] = {
+            "runs": int(len(g)), "step1_reward": float(g["step1_reward"].mean()),
+            "reward_gain": float((g["terminal_reward"] - g["step1_reward"]).mean()),
+            "step1_entropy": float(first.mean()), "last_entropy": float(last.mean()),
+            "entropy_fell": int((last < first).sum()),
+            "last_entropy_range": [float(last.min()), float(last.max())],
+            "first_eval_accuracy": sorted({float(v) for v in evals}),
+            "first_eval_one_measurement": bool(len(evals) > 1 and evals.nunique() == 1),
+            "first_eval_solved": sorted({round(float(v) * int(n)) for v, n in zip(evals, prompts)}),
+            "eval_prompts": int(prompts.iloc[0]) if len(prompts) and prompts.nunique() == 1 else None}
+    return out
+
+
+def _post_hoc_markdown(ph: dict) -> str:
+    """The post-hoc section of the grid's table: labelled as such, apart from the registered questions."""
+    text = ("### Post hoc (not pre-registered)\n\nWritten after the grid ran (config `post_hoc`); exploratory, "
+            "not verdicts. Paired by seed, exact two-sided signed-rank test (zero differences dropped, from the "
+            "p and the interval alike) and the Hodges-Lehmann shift with the exact interval that inverts it.\n\n"
+            "| comparison | a - b | outcome | pairs | mean | a lower | signed-rank p | Hodges-Lehmann shift, exact "
+            "interval (coverage) |\n|:--|:--|:--|--:|--:|--:|--:|:--|\n")
+    for name, c in ph["comparisons"].items():
+        sh = c["shift"]
+        shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
+                                      f"({100 * sh['coverage']:.1f}%)")
+        p = "--" if c["signed_rank_p"] is None else f"{c['signed_rank_p']:.2g}"
+        text += (f"| {name} | {' + '.join(f'`{x}`' for x in c['a'])}{' (mean)' if len(c['a']) > 1 else ''} - "
+                 f"`{c['b']}` | {c['outcome']} | {c['pairs']} | {c['mean_difference']:+.3f} | {c['a_lower']} of "
+                 f"{c['pairs']} | {p} | {shift} |\n")
+    for name, c in ph["comparisons"].items():
+        if c.get("reward_gap_by_step"):
+            text += (f"\n{name}: raw training reward a - b by logged step, mean over seeds: "
+                     + ", ".join(f"{v:+.3f}" for v in c["reward_gap_by_step"].values()) + ".\n")
+    text += ("\nPer arm, means over seeds (training reward at T = 1; reward gain = raw terminal reward, the mean of "
+             f"the last {TERMINAL_STEPS} logged steps, minus the step-1 reward; the first held-out evaluation is "
+             "greedy, so where it is identical over seeds it is one measurement of the arm, not one per seed):\n\n"
+             "| arm | runs | step-1 reward | reward gain | entropy step 1 -> last (nats/token) | runs whose entropy "
+             "fell | last-step entropy, range | first held-out accuracy |\n|:--|--:|--:|--:|:--|--:|:--|:--|\n")
+    for name, a in ph["arms"].items():
+        acc = a["first_eval_accuracy"]
+        solved = "/".join(str(k) for k in a["first_eval_solved"])
+        shown = ("--" if not acc else f"{solved}/{a['eval_prompts']}" + (" (identical over seeds: one measurement)"
+                                                                        if a["first_eval_one_measurement"] else
+                                                                        " (over seeds)"))
+        text += (f"| `{name}` | {a['runs']} | {a['step1_reward']:.3f} | {a['reward_gain']:.3f} | "
+                 f"{a['step1_entropy']:.2f} -> {a['last_entropy']:.2f} | {a['entropy_fell']} of {a['runs']} | "
+                 f"{a['last_entropy_range'][0]:.2f}-{a['last_entropy_range'][1]:.2f} | {shown} |\n")
+    return text
+
+
 def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
     """What the reference (stock BF16) arm's finished runs explored: models, settings, step-1 and
     final entropy, the largest mismatch and phantom-clip rate before any collapse and before any
@@ -667,6 +785,7 @@ def envelope(runs: pd.DataFrame, rule: dict, manifest: dict) -> dict:
             **{k: values(f"config_{k}") for k in RUN_SETTINGS}, "logged_steps": values("steps"),
             "step1_entropy": [span("step1_entropy", "min"), span("step1_entropy", "max")],
             "final_entropy": [span("final_entropy", "min"), span("final_entropy", "max")],
+            "final_entropy_steps": values("final_entropy_steps"),
             "mean_entropy": span("entropy", "mean"),
             "max_pre_collapse_mismatch": span("max_pre_collapse_mismatch", "max"),
             "max_pre_collapse_phantom_clip": span("max_pre_collapse_phantom_clip", "max"),
@@ -835,6 +954,8 @@ def main(argv: list[str] | None = None) -> int:
                            envelope=envelope(runs, rule, manifest))
             if rule.get("questions"):
                 summary["questions"] = questions(runs, rule)
+            if manifest.get("post_hoc") and not summary["decision"].get("unfinished"):
+                summary["post_hoc"] = post_hoc(runs, curves, manifest["post_hoc"], rule)
         sens = sensitivity_groups(runs, axes)
         summary["sensitivity"] = sens.to_dict(orient="records")
         ended = runs[flags(runs.get("absorbing", pd.Series(False, index=runs.index)))]
@@ -884,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
         table.to_csv(tmp, index=False)
     write_text(Path(f"{stem}.md"), text + shown.to_markdown(index=False, floatfmt=".3g") + "\n"
                                   + ("\n" + _sensitivity_markdown(sens, axes) if args.stage != "pilot" else "")
+                                  + ("\n" + _post_hoc_markdown(summary["post_hoc"]) if "post_hoc" in summary else "")
                                   + ("\n### Runs\n\n" + runs.to_markdown(index=False, floatfmt=".3g") + "\n"
                                      if args.stage != "pilot" else ""))
     write_text(Path(f"{stem}.json"), json.dumps(_clean(summary), indent=1) + "\n")

@@ -346,12 +346,14 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
     own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
            if g.get("pre_collapse_mismatch") is not None}
     mismatch = ("; each arm's mean in-training mismatch (mean |dlogp| before any collapse): "
-                + ", ".join(f"{arm} {value:.2g}" for arm, value in own.items()) if own else "")
+                + ", ".join(f"{arm} {value:.3g}" for arm, value in own.items()) if own else "")
     text = (f"On a real pretrained model (SmolLM2-135M-Instruct; the grid and its tests written before it ran) "
             f"collapsed runs per arm: {arms}{reach}{mismatch}. By the pre-registered tests: {answers}.")
     if shifts:
         text += (" Beside the verdicts, the reward AUC paired by seed (Hodges-Lehmann shift, the exact interval "
                  "of the signed-rank test): " + "; ".join(shifts) + ".")
+    if post_hoc_text(grid):
+        text += " " + post_hoc_text(grid)
     return text
 
 
@@ -518,7 +520,7 @@ def _questions_table(grid: dict) -> list[str]:
         rows.append({"question": name, "a": q["a"], "a collapsed": "{}/{}".format(*q["a_collapsed"]),
                      "b": q["b"], "b collapsed": "{}/{}".format(*q["b_collapsed"]),
                      "Fisher p (one-sided)": q.get("fisher_p"), "reward AUC a - b": auc.get("mean_difference"),
-                     "seed pairs": auc.get("pairs", 0), "signed-rank p": auc.get("signed_rank_p"),
+                     "pairs tested": shift.get("pairs", auc.get("pairs", 0)), "signed-rank p": auc.get("signed_rank_p"),
                      "HL shift": shift.get("estimate"),
                      "exact interval": (f"{shift['low']:.3g} to {shift['high']:.3g} ({100 * shift['coverage']:.1f}%)"
                                         if shift else None),
@@ -528,7 +530,41 @@ def _questions_table(grid: dict) -> list[str]:
     return [escape(text), booktabs(pd.DataFrame(rows), f"The real-model grid's questions (collapse counts: finished "
                                    f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
                                    f"with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
-                                   f"the exact interval that inverts it)", "tab:realquestions", placement="H")]
+                                   f"the exact interval that inverts it; zero differences are dropped from the test "
+                                   f"and its interval alike)", "tab:realquestions", placement="H")]
+
+
+def post_hoc_text(grid: dict) -> str | None:
+    """The grid's post-hoc comparisons (config ``post_hoc``, written after it ran) in one passage, each
+    labelled post hoc, with what the arms' mismatch allows to conclude; None where there are none."""
+    ph = grid.get("post_hoc") or {}
+    if not ph.get("comparisons"):
+        return None
+    parts = []
+    for name, c in ph["comparisons"].items():
+        sh = c.get("shift") or {}
+        what = "learning gain (reward AUC minus the run's own step-1 reward)" if c["outcome"] == "learning_gain" \
+            else "reward AUC"
+        a = " + ".join(c["a"]) + (" (mean per seed)" if len(c["a"]) > 1 else "")
+        interval = (f", {100 * sh['coverage']:.1f}% interval {sh['low']:+.3f} to {sh['high']:+.3f}" if sh else "")
+        p = "" if c.get("signed_rank_p") is None else f", signed-rank p = {c['signed_rank_p']:.2g}"
+        parts.append(f"{what}, {a} - {c['b']}: shift {sh.get('estimate', c['mean_difference']):+.3f}{interval}, "
+                     f"{c['a_lower']} of {c['pairs']} seeds lower{p}")
+    arms = ph.get("arms") or {}
+    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
+           if g.get("pre_collapse_mismatch") is not None}
+    text = "Post hoc (not pre-registered; written after the grid ran): " + "; ".join(parts) + "."
+    if arms:
+        text += (" Step-1 training reward per arm (seed means): " + ", ".join(
+            f"{arm} {a['step1_reward']:.3f}" for arm, a in arms.items()) + "; raw reward gain from the first "
+            "logged step to the terminal reward: " + ", ".join(f"{arm} {a['reward_gain']:.3f}" for arm, a in arms.items())
+            + ".")
+    if own:
+        text += (" Each arm's mean in-training mismatch: " + ", ".join(
+            f"{arm} {value:.3g}" for arm, value in own.items()) + "; BF16 arms that carry the same mismatch "
+            "confound BF16 arithmetic with the mismatch, so a gap between them and FP32 does not say which costs "
+            "the learning.")
+    return text
 
 
 def _real_runs_table(csv: Path) -> list[str]:
@@ -544,6 +580,7 @@ def _real_runs_table(csv: Path) -> list[str]:
                         "final_entropy", "step1_mismatch", "pre_collapse_mismatch", "max_pre_drop_phantom_clip",
                         "wall_s") if c in done]
     return [booktabs(readable(done[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps",
+                                           "final_entropy": _final_entropy_label(done),
                                            "first_eval_accuracy": "held-out acc. at start",
                                            "final_eval_accuracy": "held-out acc. at end",
                                            "step1_mismatch": "mean |dlogp| step 1",
@@ -613,6 +650,8 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
         parts.append(escape(f"The grid (arms and seeds at the chosen rung, its collapse windows, questions, tests "
                             f"and power written in its config before it ran): {grid['decision']['statement']}"))
         parts += _questions_table(grid)
+        if post_hoc_text(grid):
+            parts.append(escape(post_hoc_text(grid)))
         if grid["decision"].get("outcome") == "does not collapse naturally":
             parts.append(escape(_envelope_text(grid.get("envelope") or {})))
         parts += _stage_groups(grid, "The real-model grid's finished runs per arm", "tab:realgrid")
@@ -724,13 +763,20 @@ def _settings_text(env: dict) -> str:
             f"{_span(env.get('updates_per_generation') or [])} optimizer update(s) per generated batch")
 
 
+def _final_entropy_label(rows: pd.DataFrame) -> str:
+    """``final_entropy``'s header with its window (the runs' smoothing window), never a bare "final"."""
+    steps = sorted({int(v) for v in rows.get("final_entropy_steps", pd.Series(dtype=float)).dropna()})
+    return f"entropy, last {'/'.join(map(str, steps))} steps" if steps else "final entropy"
+
+
 def _envelope_text(env: dict) -> str:
     """The envelope the stock-BF16 arm explored, from the stage summary's ``envelope``."""
     if not env.get("runs"):
         return "No stock BF16 run finished."
     return (f"The envelope explored by the {env['runs']} stock BF16 runs: {_settings_text(env)}; policy entropy "
             f"{_span(env.get('step1_entropy') or [])} nats/token at step 1 and "
-            f"{_span(env.get('final_entropy') or [])} over each run's last steps (mean over all steps "
+            f"{_span(env.get('final_entropy') or [])} over each run's last "
+            f"{_span(env.get('final_entropy_steps') or [])} logged steps (its smoothing window; mean over all steps "
             f"{_span([env.get('mean_entropy')])}); mean |dlogp| before any collapse up to "
             f"{_span([env.get('max_pre_collapse_mismatch')])} (largest step){_pre_drop(env)} and a phantom-clip rate up "
             f"to {_span([env.get('max_pre_collapse_phantom_clip')])}.")
@@ -756,7 +802,8 @@ def _top_rung_runs(csv: Path, decision: dict) -> str | None:
     cols = [c for c in (decision["rule"]["arm_axis"], "seed", "verdict", "collapse_step", "peak_reward", "final_reward",
                         "terminal_reward", "absorbing", "final_entropy", "max_pre_drop_mismatch",
                         "max_pre_collapse_phantom_clip") if c in rows]
-    return booktabs(readable(rows[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps"}),
+    return booktabs(readable(rows[cols], {"terminal_reward": f"raw reward, last {TERMINAL_STEPS} steps",
+                                          "final_entropy": _final_entropy_label(rows)}),
                     f"Natural-collapse search: every run of the top rung ({top}); final reward smoothed over the rule's "
                     f"window, raw reward the mean of the last {TERMINAL_STEPS} logged steps, absorbing: a raw reward about "
                     f"0 in groups without reward variance", "tab:searchtop", placement="H")

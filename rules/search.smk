@@ -29,6 +29,7 @@ def search_manifest_text(stage):
     return json.dumps({"stage": stage, "label": search.get("label", "natural-collapse search"),
                        "axes": {k: list(v) for k, v in search["stages"][stage]["axes"].items()},
                        "pilot_rule": search.get("pilot_rule", {}), "decision": search.get("decision", {}),
+                       **({"post_hoc": search["post_hoc"]} if search.get("post_hoc") and stage == "grid" else {}),
                        "cells": cells}, indent=1)
 
 

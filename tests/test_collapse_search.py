@@ -495,3 +495,55 @@ def test_runs_per_arm_counts_runs_not_steps():
                            for seed in seeds for step in (1, 5, 9)])
     counts = runs_per_arm(curves, ["lr", "arm"], "arm")
     assert counts.to_dict() == {"none": 4, "fp32": 1}
+
+
+def test_final_entropy_is_over_the_runs_own_window_and_refused_when_the_window_is_longer(tmp_path):
+    """``final_entropy`` averages the run's smoothing window (the window of its smoothed final reward), says
+    which (``final_entropy_steps``), and is left empty -- not the whole-run mean -- when the run logged fewer
+    steps than that window (issue 55: a 10-step window over 9 logged steps was the whole run)."""
+    cells = []
+    for seed, (window, steps) in enumerate(((3, 9), (10, 9))):
+        cell = f"grid/lr1/none/seed{seed}"
+        _write_run(tmp_path, cell, [0.5] * steps, [0.01] * steps, window=window)
+        metrics = tmp_path / "search" / cell / "metrics.jsonl"
+        lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+        for i, line in enumerate(lines):
+            line["entropy"] = float(i + 1)  # 1 .. 9
+        metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        cells.append({"cell": cell, "labels": {"lr": "lr1", "arm": "none"}, "seed": seed, "model": "m"})
+    runs, _ = load_runs(tmp_path, _manifest(tmp_path, "grid", {"lr": ["lr1"], "arm": ["none"]}, cells))
+    fits, longer = runs.iloc[0], runs.iloc[1]
+    assert fits["final_entropy"] == pytest.approx(8.0) and fits["final_entropy_steps"] == 3
+    assert fits["last_entropy"] == 9.0 and fits["entropy"] == pytest.approx(5.0)
+    assert pd.isna(longer["final_entropy"]) and longer["final_entropy_steps"] == 10 and longer["last_entropy"] == 9.0
+
+
+def test_post_hoc_comparisons_pool_arms_per_seed_and_describe_each_arm():
+    """A post-hoc comparison (config ``post_hoc``) pairs by seed the per-seed mean of its ``a`` arms with
+    ``b``; ``learning_gain`` takes each run's own step-1 reward out; the per-arm rows say whether the first
+    held-out evaluation is one measurement (identical over seeds) and how many prompts it solved."""
+    from analysis.collapse_search import post_hoc
+
+    rows = []
+    for seed in range(8):
+        for arm, auc, step1, acc in (("fp32", 0.5, 0.1, 22 / 64), ("none", 0.4, 0.1, 19 / 64),
+                                     ("all", 0.3 + seed / 100, 0.0, 20 / 64)):
+            rows.append({"arm": arm, "seed": seed, "state": "finished", "reward_auc": auc, "step1_reward": step1,
+                         "terminal_reward": auc + 0.1, "step1_entropy": 1.5, "last_entropy": 1.4 if arm == "none"
+                         else 1.6, "first_eval_accuracy": acc, "first_eval_prompts": 64})
+    spec = {"comparisons": {"auc": {"a": ["none", "all"], "b": "fp32", "outcome": "reward_auc"},
+                            "gain": {"a": "all", "b": "fp32", "outcome": "learning_gain"}}}
+    out = post_hoc(pd.DataFrame(rows), pd.DataFrame(), spec, {"arm_axis": "arm"})
+    auc, gain = out["comparisons"]["auc"], out["comparisons"]["gain"]
+    # (0.4 + 0.3 + s/100) / 2 - 0.5 per seed: -0.15 .. -0.115, all lower
+    assert auc["mean_difference"] == pytest.approx(-0.15 + 0.0175) and auc["a_lower"] == 8
+    assert auc["signed_rank_p"] == pytest.approx(2 / 256) and auc["shift"]["high"] < 0
+    # all's gain (0.3 + s/100 - 0) vs fp32's (0.5 - 0.1): -0.1 + s/100 per seed
+    assert gain["mean_difference"] == pytest.approx(-0.1 + 0.035) and gain["pairs"] == 8
+    none = out["arms"]["none"]
+    assert none["first_eval_one_measurement"] and none["first_eval_solved"] == [19] and none["eval_prompts"] == 64
+    assert none["entropy_fell"] == 8 and out["arms"]["fp32"]["entropy_fell"] == 0
+    assert out["arms"]["fp32"]["reward_gain"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="outcome"):
+        post_hoc(pd.DataFrame(rows), pd.DataFrame(), {"comparisons": {"x": {"a": "all", "b": "fp32",
+                                                                               "outcome": "auc"}}}, {})
