@@ -719,11 +719,12 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
     sdpa or KV-cached decoding would be bitwise too depends on the CPU's kernels, not on this code: on the
     AMD EPYC VM sdpa's rows depend on the sequence length; on a 2-core Intel Xeon with AMX, sdpa and cached
     decoding gave 0 on this tiny model as well -- so neither is a control that holds on every machine.)"""
-    arms = {"eager": ("trainer", "padded"), "per_row": ("trainer", "per_row"), "vllm": ("vllm", "padded")}
-    runs = {name: _bf16_run(tiny_dirs, tmp_path, name, steps=2, checkpoint_every=2, rollouts=rollouts,
-                            attn_implementation="eager", trainer_batching=batching, gradient_checkpointing=False,
-                            **({"trainer_decode": "recompute"} if rollouts == "trainer" else {}))
-            for name, (rollouts, batching) in arms.items()}
+    recompute = {"rollouts": "trainer", "trainer_decode": "recompute"}
+    arms = {"eager": {**recompute, "trainer_batching": "padded"}, "per_row": {**recompute, "trainer_batching": "per_row"},
+            "vllm": {"rollouts": "vllm", "trainer_batching": "padded"}}
+    runs = {name: _bf16_run(tiny_dirs, tmp_path, name, steps=2, checkpoint_every=2, attn_implementation="eager",
+                            gradient_checkpointing=False, **overrides)
+            for name, overrides in arms.items()}
     for name in ("eager", "per_row"):
         assert runs[name] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
                                   for r in runs[name]), runs[name]
