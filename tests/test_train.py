@@ -746,6 +746,10 @@ def test_recompute_sampling_and_eager_attention_refuse_what_they_cannot_mean():
 def test_trainer_rollouts_refuse_what_needs_a_second_engine():
     with pytest.raises(TrainConfigError, match="importance-sampling correction needs a second engine"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "is_correction": "token_truncate"})
+    with pytest.raises(TrainConfigError, match="rollouts: trainer has no vLLM engine to run the precision beside "
+                                               "an FP32 trainer"):
+        TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer",
+                               "numerics": {"regions": "none", "trainer_precision": "fp32"}})
     with pytest.raises(TrainConfigError, match="rollouts: 'sglang' is not one of vllm, trainer"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "sglang"})
 
