@@ -83,8 +83,10 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
     # summaries older than the option computed the stock attention
     df["trainer_attention"] = df["trainer_attention"].fillna("stock") if "trainer_attention" in df else "stock"
     attention = df["trainer_attention"]
+    # an FP32 trainer beside a BF16 engine is not the stock row (summaries older than the option: same)
+    same = df["trainer_precision"].fillna("same") == "same" if "trainer_precision" in df else True
     stock = df[(df.regions == "none") & (df.precision == "bf16") & ~df.lm_head_fp32 & (df.trainer_mode == "compute")
-               & (attention == "stock")]
+               & (attention == "stock") & same]
     stock = stock.assign(_named=stock.config != "none").sort_values(["model", "_named"], kind="stable")
     base = stock.groupby("model").mean_abs_dlogp.first()  # the row named none where there is one
     df["rel_mean_abs_dlogp_vs_none"] = df.mean_abs_dlogp / df.model.map(base)

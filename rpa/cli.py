@@ -135,7 +135,7 @@ def _cmd_probe(args: argparse.Namespace, checked: Checked) -> int:
 
 
 NUMERICS_FLAGS = ("precision", "lm_head_fp32", "trainer_mode", "trainer_positions", "aligned_sides", "trainer_attention",
-                  "device")
+                  "trainer_precision", "device")
 """The NumericsConfig fields that are plain flags (regions and the perturbation have their own)."""
 
 
@@ -438,6 +438,9 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
             raise InputError("--completions required (as a flag or in --config): the sequences to score")
         if numerics.precision != "bf16":
             raise InputError("attribute swaps BF16 kernels; --precision must be bf16")
+        if numerics.trainer_precision != "same":
+            raise InputError("attribute swaps vLLM's BF16 kernels into a BF16 trainer; --trainer-precision must be "
+                             "same")
     numerics.check_device()
     config = check_model(args.model)
     limit = getattr(config, "max_position_embeddings", None)

@@ -100,6 +100,18 @@ def test_t_change_uses_student_t_over_pairs():
     assert one["change"] == pytest.approx(math.expm1(0.2)) and math.isnan(one["low"])
 
 
+def test_an_fp32_trainer_row_is_never_the_stock_bf16_base(tmp_path):
+    """Without a row named ``none`` the base of "vs none" is the stock BF16 row: a ``trainer_precision: fp32``
+    row has every other stock value (regions none, precision bf16, ...) but is not it, even sorted first."""
+    write_probe(tmp_path, "m", "a-trainer-fp32", {"trainer_precision": "fp32"}, np.full(8, 0.03))
+    write_probe(tmp_path, "m", "b-stock", {}, np.full(8, 0.01))
+    df = aggregate.probe_table(tmp_path)
+    assert list(df.columns) == list(aggregate.PROBE_COLUMNS)  # the table's columns as they were
+    by = df.set_index("config")
+    assert by.loc["b-stock", "change_note"] == "reference" and by.loc["b-stock", "rel_mean_abs_dlogp_vs_none"] == 1
+    assert by.loc["a-trainer-fp32", "rel_mean_abs_dlogp_vs_none"] == pytest.approx(3)
+
+
 def test_positions_only():
     assert positions_only(STOCK, {**STOCK, "trainer_positions": "stock"})
     assert not positions_only(STOCK, {**STOCK, "trainer_positions": "stock", "regions": "rope"})

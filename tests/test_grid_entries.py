@@ -88,6 +88,20 @@ def test_a_grids_entry_is_refused_before_anything_loads(tmp_path):
         validate({**config, "grids": {"g": {**good, "sedes": [0]}}}, str(REPO / "experiments/schema/config.schema.yaml"))
 
 
+def test_a_grids_arm_may_set_the_trainers_precision_and_is_held_to_its_refusals(tmp_path):
+    """An axis value is a numerics override like any other: ``trainer_precision: fp32`` reaches the cell's run
+    config (merged key by key into the base's numerics) and its refusals name the cell."""
+    entry = {"base": "experiments/train/collapse-walk.yaml", "seeds": [0], "overrides": {"model": "tiny-qwen3"},
+             "axes": {"arm": {"none": {}, "trainer-fp32": {"numerics": {"trainer_precision": "fp32"}}}}}
+    cells = check_config(_with_grids(tmp_path, {"g": entry})).cells["grids"]
+    runs = {c.labels["arm"]: c.run.numerics for c in cells}
+    assert runs["trainer-fp32"].trainer_precision == "fp32" and runs["none"].trainer_precision == "same"
+    assert runs["trainer-fp32"].trainer_positions == "mask"  # the base's, kept
+    bad = {**entry, "axes": {"arm": {"bad": {"numerics": {"regions": "all", "trainer_precision": "fp32"}}}}}
+    with pytest.raises(PipelineConfigError, match="grids cell g/bad/seed0: .*trainer_precision fp32 leaves no BF16"):
+        check_config(_with_grids(tmp_path, {"g": bad}))
+
+
 @pytest.mark.engine
 def test_a_grids_entry_runs_is_tabled_and_is_not_run_again(tmp_path):
     """A grid written only in YAML: two arms of one seed (one sampler side: the same vLLM engine) in one

@@ -16,7 +16,13 @@ def test_defaults_are_the_study_baseline():
                          "device": "auto", "sampler_perturbation": None,
                          "trainer_positions": "auto", "aligned_sides": "both",
                          "trainer_attention": "stock"}  # the dose is off unless asked for
+    # trainer_precision is written only where it is not the default: every existing configuration writes what it did
+    assert "trainer_precision" not in n.to_dict() and n.trainer_precision == "same"
+    fp32_trainer = NumericsConfig.from_dict({"trainer_precision": "fp32"}).to_dict()
+    assert list(fp32_trainer) == [*n.to_dict(), "trainer_precision"] and fp32_trainer["trainer_precision"] == "fp32"
     assert n.vllm_kwargs() == {"dtype": "bfloat16"}
+    assert (n.trainer_precision_name, n.trainer_dtype_name, n.trainer_torch_dtype()) == ("bf16", "bfloat16",
+                                                                                         torch.bfloat16)
     assert NumericsConfig.from_dict({"regions": "rope,swiglu"}).to_dict()["regions"] == "rope,swiglu"
 
 
@@ -34,6 +40,69 @@ def test_defaults_are_the_study_baseline():
 def test_invalid_combinations_are_refused(entry, message):
     with pytest.raises(NumericsConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         NumericsConfig.from_dict(entry)
+
+
+FP32_TRAINER_REFUSALS = [
+    ({"precision": "fp32"}, "trainer_precision fp32 is redundant with precision fp32 (both sides are FP32 already); "
+                            "use trainer_precision: same"),
+    ({"regions": "all"}, "trainer_precision fp32 leaves no BF16 rounding on the trainer to align; use regions: none "
+                         "(the regions align the BF16 rounding of both sides)"),
+    ({"regions": "rope", "aligned_sides": "sampler"}, "trainer_precision fp32 leaves no BF16 rounding on the trainer "
+                                                      "to align"),
+    ({"trainer_mode": "autocast"}, "trainer_mode autocast computes in the precision; trainer_precision fp32 computes "
+                                   "in FP32 (use trainer_mode: compute)"),
+    ({"trainer_attention": "fp32"}, "trainer_attention fp32 is redundant with trainer_precision fp32 (the trainer's "
+                                    "attention is FP32 already)"),
+    ({"sampler_perturbation": {"mantissa_bits": 4}}, "sampler_perturbation doses the BF16 sampler of a BF16 trainer "
+                                                     "(the positive control); with trainer_precision fp32 the dose "
+                                                     "would ride on the FP32-trainer gap: use trainer_precision: same"),
+    ({"trainer_precision": "fp64"}, "trainer_precision: 'fp64' is not one of same, fp32"),
+]
+
+
+@pytest.mark.parametrize("entry,message", FP32_TRAINER_REFUSALS)
+def test_an_fp32_trainer_refuses_each_combination_without_meaning_in_one_line(entry, message):
+    with pytest.raises(NumericsConfigError) as err:
+        NumericsConfig.from_dict({"trainer_precision": "fp32", **entry})
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_fp32_trainer_keeps_the_samplers_precision_and_round_trips():
+    """``trainer_precision: fp32``: the trainer's dtype is FP32, vLLM's stays the precision (BF16, or FP16),
+    the FP32 LM head reaches the sampler (the trainer's head is FP32 anyway); to_dict/from_dict round trip."""
+    n = NumericsConfig.from_dict({"trainer_precision": "fp32"})
+    assert (n.trainer_precision_name, n.trainer_dtype_name, n.trainer_torch_dtype()) == ("fp32", "float32",
+                                                                                         torch.float32)
+    assert (n.dtype_name, n.torch_dtype()) == ("bfloat16", torch.bfloat16) and n.vllm_kwargs() == {"dtype": "bfloat16"}
+    assert NumericsConfig.from_dict({"trainer_precision": "fp32", "precision": "fp16"}).vllm_kwargs() == {
+        "dtype": "float16"}
+    head = NumericsConfig.from_dict({"trainer_precision": "fp32", "lm_head_fp32": True})
+    assert head.vllm_kwargs() == {"dtype": "bfloat16", "hf_overrides": {"head_dtype": "float32"}}
+    for entry in ({"trainer_precision": "fp32"}, {"trainer_precision": "fp32", "trainer_positions": "mask"},
+                  {"trainer_precision": "fp32", "precision": "fp16", "lm_head_fp32": True}, {"regions": "all"}):
+        config = NumericsConfig.from_dict(entry)
+        assert NumericsConfig.from_dict(config.to_dict()) == config
+        assert config.to_dict().get("trainer_precision", "same") == entry.get("trainer_precision", "same")
+    assert n.sampler_process_key == NumericsConfig().sampler_process_key  # one engine serves both
+    assert n != NumericsConfig()
+
+
+def test_the_cli_takes_trainer_precision_and_refuses_its_meaningless_combinations_in_one_line(capsys, tmp_path):
+    """``--trainer-precision`` reaches the configuration; a combination without meaning is one line, before
+    anything loads; ``rpa attribute`` (vLLM's BF16 kernels swapped into a BF16 trainer) refuses an FP32 trainer."""
+    from rpa.cli import _numerics, build_parser
+    from tests.conftest import refused
+
+    args = build_parser().parse_args(["probe", "--model", "m", "--regions", "none", "--out", "o",
+                                      "--trainer-precision", "fp32"])
+    assert _numerics(args) == NumericsConfig.from_dict({"trainer_precision": "fp32"})
+    out = tmp_path / "out"
+    refused(capsys, ["probe", "--model", tmp_path / "no-such-model", "--regions", "all", "--trainer-precision", "fp32",
+                     "--out", out], "trainer_precision fp32 leaves no BF16 rounding on the trainer to align",
+            absent=out)
+    refused(capsys, ["attribute", "--model", tmp_path / "no-such-model", "--regions", "none", "--trainer-precision",
+                     "fp32", "--completions", tmp_path / "c.jsonl", "--out", out], "--trainer-precision must be same",
+            absent=out)
 
 
 def test_comparison_points_reach_vllm():
@@ -64,6 +133,39 @@ def test_fp32_lm_head_is_fp32_linear_of_the_hidden_state(tiny_dirs, mode):
     with trainer_context(numerics), torch.no_grad():  # control: the stock head runs in BF16
         plain = model.lm_head(hidden)
     assert plain.dtype == torch.bfloat16 and not torch.equal(plain.float(), out.logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_an_fp32_trainer_is_the_fp32_trainer_bit_for_bit(tiny_dirs, arch):
+    """``trainer_precision: fp32`` beside a BF16 sampler: the trainer's logits equal (``torch.equal``) those
+    of ``precision: fp32`` -- and of the stock FP32 HF model -- on a left-padded batch, with FP32
+    parameters; the BF16 trainer of the same model gives other logits (the control: a trainer left at the
+    precision would fail the equality)."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 500, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding, as TRL lays a batch out
+    mask[2, :7] = 0
+
+    def logits(numerics):
+        model, handle = load_trainer_model(numerics, str(tiny_dirs[arch]))
+        with trainer_context(numerics), torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask).logits
+        record = handle.describe()
+        handle.remove()
+        return out, record, {p.dtype for p in model.parameters()}
+
+    mine, record, dtypes = logits(NumericsConfig.from_dict({"trainer_precision": "fp32"}))
+    floor, _, _ = logits(NumericsConfig.from_dict({"precision": "fp32"}))
+    bf16, _, _ = logits(NumericsConfig.from_dict({}))
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = stock(input_ids=ids, attention_mask=mask).logits
+    assert dtypes == {torch.float32} and record["compute_dtype"] == "float32" and record["regions"] == "none"
+    assert mine.dtype == torch.float32 and torch.equal(mine, floor) and torch.equal(mine, plain)
+    assert not torch.equal(mine, bf16) and (mine - bf16).abs().max() > 1e-4
 
 
 def test_trl_batch_layout_with_rope_aligned_equals_batch_one(tiny_dirs):

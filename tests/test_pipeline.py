@@ -267,6 +267,8 @@ def test_the_schemas_numerics_enums_and_dose_range_are_numerics_configs():
     assert numerics["trainer_mode"]["enum"] == list(nc.TRAINER_MODES)
     assert numerics["trainer_positions"]["enum"] == list(nc.TRAINER_POSITIONS)
     assert numerics["aligned_sides"]["enum"] == list(nc.ALIGNED_SIDES)
+    assert numerics["trainer_attention"]["enum"] == list(nc.TRAINER_ATTENTION)
+    assert numerics["trainer_precision"]["enum"] == list(nc.TRAINER_PRECISIONS)
     perturbation = numerics["sampler_perturbation"]
     assert perturbation["required"] == list(nc.PERTURBATION_KEYS)
     bits = perturbation["properties"]["mantissa_bits"]

@@ -732,6 +732,24 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
                                 for r in runs["vllm"]), runs["vllm"]
 
 
+@pytest.mark.engine
+def test_an_fp32_trainer_trains_beside_a_bf16_sampler(tiny_dirs, tmp_path):
+    """``numerics.trainer_precision: fp32`` in GRPO: the policy computes in FP32 (no BF16 cast, no autocast),
+    the colocated vLLM engine samples in BF16 (its dtype is checked at start-up, fail-closed), and the
+    in-training mismatch between the two is above 0 at every step; the run completes."""
+    numerics = {"regions": "none", "trainer_positions": "mask", "trainer_precision": "fp32"}
+    records = _bf16_run(tiny_dirs, tmp_path, "trainer-fp32", steps=2, checkpoint_every=2, numerics=numerics,
+                        warm_start={"steps": 0}, gradient_checkpointing=False)
+    assert len(records) == 2 and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] > 0 for r in records)
+    summary = json.loads((tmp_path / "trainer-fp32" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 2
+    assert summary["config"]["numerics"]["trainer_precision"] == "fp32"
+    trainer = summary["trainer"]
+    assert trainer["compute_dtype"] == trainer["param_dtype"] == "float32" and trainer["regions"] == "none"
+    init = json.loads((tmp_path / "trainer-fp32" / "init_model" / "config.json").read_text())
+    assert init["dtype"] == "bfloat16"  # what vLLM is told to run: the precision, not the trainer's
+
+
 def test_recompute_sampling_and_eager_attention_refuse_what_they_cannot_mean():
     with pytest.raises(TrainConfigError, match="trainer_decode: only rollouts: trainer decodes on the trainer"):
         TrainConfig.from_dict({"model": "m", **BASE, "trainer_decode": "recompute"})
@@ -747,6 +765,10 @@ def test_recompute_sampling_and_eager_attention_refuse_what_they_cannot_mean():
 def test_trainer_rollouts_refuse_what_needs_a_second_engine():
     with pytest.raises(TrainConfigError, match="importance-sampling correction needs a second engine"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer", "is_correction": "token_truncate"})
+    with pytest.raises(TrainConfigError, match="rollouts: trainer has no vLLM engine to run the precision beside "
+                                               "an FP32 trainer"):
+        TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "trainer",
+                               "numerics": {"regions": "none", "trainer_precision": "fp32"}})
     with pytest.raises(TrainConfigError, match="rollouts: 'sglang' is not one of vllm, trainer"):
         TrainConfig.from_dict({"model": "m", **BASE, "rollouts": "sglang"})
 

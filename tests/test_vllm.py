@@ -191,6 +191,35 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     assert none["entropy"] > 1.0  # a random model over a 512-token vocabulary is far from deterministic
 
 
+def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs, tmp_path):
+    """``--trainer-precision fp32`` on identical tokens: its trainer column is the FP32 floor's bit for bit
+    (the trainer is FP32) and its sampler column the stock BF16 probe's bit for bit (vLLM still runs BF16),
+    so its mismatch is the FP32 trainer's gap to a BF16 engine -- far above the FP32-on-both-sides floor."""
+    import csv
+
+    model = tiny_dirs["qwen3"]
+    args = ("--prompts", "4", "--max-tokens", "24")
+    none = probe(model, tmp_path / "none", "--regions", "none", *args)
+    completions = str(tmp_path / "none" / "completions.jsonl")
+    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
+                  *args)
+    mine = probe(model, tmp_path / "trainer-fp32", "--regions", "none", "--trainer-precision", "fp32",
+                 "--completions", completions, *args)
+    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "fp32", "trainer-fp32")}
+    column = lambda name, key: [r[key] for r in rows[name]]  # noqa: E731
+    assert column("trainer-fp32", "token_id") == column("none", "token_id") == column("fp32", "token_id")
+    assert mine["tokens"] == none["tokens"] > 50
+    assert column("trainer-fp32", "logp_trainer") == column("fp32", "logp_trainer")  # the FP32 trainer
+    assert column("trainer-fp32", "logp_sampler") == column("none", "logp_sampler")  # the BF16 engine
+    assert column("trainer-fp32", "logp_sampler") != column("fp32", "logp_sampler")  # ... which FP32 is not
+    assert floor["mean_abs_dlogp"] < 1e-5
+    assert mine["mean_abs_dlogp"] > 100 * floor["mean_abs_dlogp"], (mine["mean_abs_dlogp"], floor["mean_abs_dlogp"])
+    assert mine["config"]["numerics"]["trainer_precision"] == "fp32" and "trainer_precision" not in \
+        none["config"]["numerics"]
+    trainer = mine["config"]["trainer"]
+    assert trainer["compute_dtype"] == trainer["param_dtype"] == "float32" and trainer["regions"] == "none"
+
+
 def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path):
     out = tmp_path / "diag"
     proc = run_py(["-m", "rpa.cli", "diagnose", "--model", str(tiny_dirs["qwen3"]), "--regions", "all",

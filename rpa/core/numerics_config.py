@@ -10,6 +10,10 @@ trainer mode:
   gives FP32 masters the same numerics bit for bit, see :mod:`rpa.sides.trainer`);
 * ``autocast``: FP32 parameters under ``torch.autocast`` (TRL's default).
 
+``trainer_precision: fp32`` takes the trainer alone to FP32 while vLLM keeps ``precision``: an
+FP32 policy sampled by a BF16 engine (what most TRL users run), the cell that separates the
+mismatch from BF16 arithmetic.
+
 Both sides load the same checkpoint and cast it to their dtype themselves, so they hold
 the same weights. Invalid combinations raise :class:`NumericsConfigError` naming the
 problem. This module is data: it imports no torch at import time, and what builds a model or
@@ -34,6 +38,7 @@ TrainerMode = Literal["compute", "autocast"]
 TrainerPositions = Literal["auto", "mask", "stock"]
 TrainerAttention = Literal["stock", "fp32"]
 AlignedSides = Literal["both", "trainer", "sampler"]
+TrainerPrecision = Literal["same", "fp32"]
 
 PRECISIONS: dict[str, str] = dict(zip(choices(Precision), ("bfloat16", "float16", "float32")))
 """Precision name -> torch/vLLM dtype name."""
@@ -41,10 +46,11 @@ PRECISIONS: dict[str, str] = dict(zip(choices(Precision), ("bfloat16", "float16"
 TRAINER_MODES: tuple[str, ...] = choices(TrainerMode)
 
 KEYS: tuple[str, ...] = ("regions", "precision", "lm_head_fp32", "trainer_mode", "device", "sampler_perturbation",
-                         "trainer_positions", "aligned_sides", "trainer_attention")
+                         "trainer_positions", "aligned_sides", "trainer_attention", "trainer_precision")
 TRAINER_POSITIONS: tuple[str, ...] = choices(TrainerPositions)
 TRAINER_ATTENTION: tuple[str, ...] = choices(TrainerAttention)
 ALIGNED_SIDES: tuple[str, ...] = choices(AlignedSides)
+TRAINER_PRECISIONS: tuple[str, ...] = choices(TrainerPrecision)
 PERTURBATION_KEYS: tuple[str, ...] = ("mantissa_bits",)
 MANTISSA_BITS: tuple[int, int] = (1, 6)
 """The dose's range of kept mantissa bits (inclusive): BF16 has 7 explicit ones, so 7 would be no dose."""
@@ -111,6 +117,16 @@ class NumericsConfig:
                 "rounds the sampler's outputs of the three regions (RMSNorm, SwiGLU, RoPE q/k) to ``k`` of BF16's 7 "
                 "explicit mantissa bits (:func:`rpa.core.numerics.round_mantissa`), on top of the region set. "
                 "``None``: off."})
+    trainer_precision: TrainerPrecision = field(default="same", metadata={
+        "help": "the trainer's own precision: same (the precision of both sides) or fp32 (the trainer loads and "
+                "computes in FP32 while vLLM samples in the precision: an FP32 policy beside a BF16 engine, as most "
+                "TRL users run)"})
+    """``same``: the trainer computes in ``precision`` like the sampler. ``fp32``: the trainer loads and
+    computes in FP32 (no autocast, no aligned regions, its attention and LM head FP32 anyway) while vLLM
+    keeps ``precision`` -- the engine gap of an FP32 policy sampled by a BF16 (or FP16) engine, with no
+    BF16 arithmetic on the trainer side. Only the trainer's dtype changes (:attr:`trainer_dtype_name`);
+    vLLM's stays :attr:`dtype_name`. With ``lm_head_fp32`` the sampler's LM head runs in FP32 as well (the
+    trainer's is FP32 anyway): the FP32-head point of an FP32 trainer."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
@@ -139,6 +155,27 @@ class NumericsConfig:
         if self.precision == "fp16" and self.regions:
             raise NumericsConfigError("the aligned regions implement the BF16 contract; precision fp16 is a "
                                       "comparison point with stock numerics (regions: none)")
+        if self.trainer_precision == "fp32":
+            self._check_fp32_trainer()
+
+    def _check_fp32_trainer(self) -> None:
+        """``trainer_precision: fp32``: one line for each combination it leaves without meaning."""
+        if self.precision == "fp32":
+            raise NumericsConfigError("trainer_precision fp32 is redundant with precision fp32 (both sides are FP32 "
+                                      "already); use trainer_precision: same")
+        if self.regions:
+            raise NumericsConfigError("trainer_precision fp32 leaves no BF16 rounding on the trainer to align; use "
+                                      "regions: none (the regions align the BF16 rounding of both sides)")
+        if self.trainer_mode == "autocast":
+            raise NumericsConfigError("trainer_mode autocast computes in the precision; trainer_precision fp32 "
+                                      "computes in FP32 (use trainer_mode: compute)")
+        if self.trainer_attention == "fp32":
+            raise NumericsConfigError("trainer_attention fp32 is redundant with trainer_precision fp32 (the trainer's "
+                                      "attention is FP32 already)")
+        if self.sampler_perturbation is not None:
+            raise NumericsConfigError("sampler_perturbation doses the BF16 sampler of a BF16 trainer (the positive "
+                                      "control); with trainer_precision fp32 the dose would ride on the FP32-trainer "
+                                      "gap: use trainer_precision: same")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "NumericsConfig":
@@ -169,11 +206,19 @@ class NumericsConfig:
         return cls(regions=regions, sampler_perturbation=perturbation, **data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"regions": format_regions(self.regions), "precision": self.precision,
-                "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
-                "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation),
-                "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides,
-                "trainer_attention": self.trainer_attention}
+        """Every key's value, in :data:`KEYS` order; ``trainer_precision`` only where it is not ``same``
+        (:meth:`from_dict` reads it back as ``same`` where absent), so what a configuration without it
+        writes -- a run's ``run.yaml``, a job file, a probe's ``options.json`` and summary -- stays byte
+        for byte what it was before the option existed (a changed ``run.yaml`` would make Snakemake run a
+        finished run again)."""
+        out = {"regions": format_regions(self.regions), "precision": self.precision,
+               "lm_head_fp32": self.lm_head_fp32, "trainer_mode": self.trainer_mode, "device": self.device,
+               "sampler_perturbation": None if self.sampler_perturbation is None else dict(self.sampler_perturbation),
+               "trainer_positions": self.trainer_positions, "aligned_sides": self.aligned_sides,
+               "trainer_attention": self.trainer_attention}
+        if self.trainer_precision != "same":
+            out["trainer_precision"] = self.trainer_precision
+        return out
 
     @property
     def trainer_regions(self) -> frozenset[str]:
@@ -211,9 +256,26 @@ class NumericsConfig:
         return PRECISIONS[self.precision]
 
     def torch_dtype(self):
+        """The sampler's (vLLM's) dtype: ``precision``."""
         import torch
 
         return getattr(torch, self.dtype_name)
+
+    @property
+    def trainer_precision_name(self) -> str:
+        """The precision the trainer computes in: ``precision``, or ``fp32`` with ``trainer_precision: fp32``."""
+        return self.precision if self.trainer_precision == "same" else self.trainer_precision
+
+    @property
+    def trainer_dtype_name(self) -> str:
+        """The trainer's compute dtype as torch names it (``bfloat16``, ``float32``, ...)."""
+        return PRECISIONS[self.trainer_precision_name]
+
+    def trainer_torch_dtype(self):
+        """The trainer's compute dtype (its parameters' in compute mode, autocast's in autocast mode)."""
+        import torch
+
+        return getattr(torch, self.trainer_dtype_name)
 
     # ---------------------------------------------------------------------- device
 

@@ -504,29 +504,31 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
 
 def align_for(config, model: nn.Module) -> TrainerAlignment:
     """:func:`align_model` for a :class:`~rpa.core.numerics_config.NumericsConfig` on a HF model (BF16
-    or FP32 masters): its trainer-side regions, compute dtype (none in autocast mode), LM head
-    and RoPE positions."""
+    or FP32 masters): its trainer-side regions, compute dtype (the trainer's, ``trainer_torch_dtype``:
+    FP32 with ``trainer_precision: fp32``; none in autocast mode), LM head and RoPE positions."""
     autocast = config.trainer_mode == "autocast"
-    return align_model(model, config.trainer_regions, compute_dtype=None if autocast else config.torch_dtype(),
+    return align_model(model, config.trainer_regions,
+                       compute_dtype=None if autocast else config.trainer_torch_dtype(),
                        lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask,
                        attention_fp32=config.trainer_attention == "fp32")
 
 
 def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, TrainerAlignment]:
-    """The HF model for ``config`` on its trainer device, aligned (:func:`align_for`), in eval
-    mode. Returns ``(model, alignment)``; run forwards inside :func:`trainer_context`."""
+    """The HF model for ``config`` on its trainer device, at the trainer's dtype (FP32 masters in
+    autocast mode), aligned (:func:`align_for`), in eval mode. Returns ``(model, alignment)``; run
+    forwards inside :func:`trainer_context`."""
     from transformers import AutoModelForCausalLM
 
     autocast = config.trainer_mode == "autocast"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else config.torch_dtype(),
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else config.trainer_torch_dtype(),
                                               **kwargs).to(config.trainer_device())
     hf.eval()
     return hf, align_for(config, hf)
 
 
 def trainer_context(config):
-    """``torch.autocast`` at the precision in autocast mode, else a null context."""
+    """``torch.autocast`` at the trainer's precision in autocast mode, else a null context."""
     if config.trainer_mode != "autocast":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(config.trainer_device()).type, dtype=config.torch_dtype())
+    return torch.autocast(device_type=torch.device(config.trainer_device()).type, dtype=config.trainer_torch_dtype())
 

@@ -262,6 +262,10 @@ class TrainConfig:
                                        "rollouts: trainer samples from the trained policy itself")
             if self.numerics.sampler_perturbation is not None or self.numerics.aligned_sides != "both":
                 raise TrainConfigError("rollouts: trainer has no separate sampler to perturb or align one-sidedly")
+            if self.numerics.trainer_precision != "same":
+                raise TrainConfigError("rollouts: trainer has no vLLM engine to run the precision beside an FP32 "
+                                       "trainer (numerics.trainer_precision: fp32); for an FP32 run use "
+                                       "precision: fp32")
             if self.vllm_tensor_parallel_size != 1:
                 raise TrainConfigError("rollouts: trainer starts no vLLM engine; vllm_tensor_parallel_size must be 1")
         if self.old_logprobs == "sampler" and self.is_correction != "off":

@@ -116,7 +116,7 @@ def prepare_init_model(cfg: TrainConfig, rows: list[dict[str, str]], init_dir: P
     losses = warm_start(model, tokenizer, rows, cfg.warm_start.steps, cfg.warm_start.learning_rate,
                         cfg.warm_start.batch_size, cfg.seed) if cfg.warm_start.steps else []
     model = model.to(torch.bfloat16)
-    model.config.dtype = cfg.numerics.dtype_name
+    model.config.dtype = cfg.numerics.dtype_name  # vLLM's, precision; the trainer loads FP32 masters in any case
     if cfg.numerics.lm_head_fp32:
         model.config.head_dtype = "float32"
     elif hasattr(model.config, "head_dtype"):  # inherited from the source checkpoint: not this configuration

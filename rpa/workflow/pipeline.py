@@ -205,7 +205,7 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
             problems.append(f"attribution.models: {name!r} is not a name in models")
     for name in attribution.get("configs") or []:
         if name in configs and _valid_numerics(configs[name]) and \
-                NumericsConfig.from_dict(configs[name]).precision != "bf16":
+                NumericsConfig.from_dict(configs[name]).trainer_precision_name != "bf16":
             problems.append(f"attribution.configs: {name!r} is not a BF16 configuration (the swap is of BF16 kernels)")
     for section, key in (("diagnose", "configs"), ("figures", "dlogp_vs_prob_configs"), ("attribution", "configs")):
         for name in (config.get(section) or {}).get(key) or []:
