@@ -267,3 +267,14 @@ def test_a_study_naming_an_unknown_reference_arm():
     with pytest.raises(PipelineConfigError, match="study.reference_arm: 'nnone' is not an arm of study.arms "
                                                   r"\(did you mean 'none'\?\)"):
         check_config(config)
+
+
+# ------------------------------------------- the last bad inputs (issue 57), one test per case
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64])
+def test_a_run_seed_numpy_cannot_take(capsys, model, tmp_path, seed):
+    """Case 6: numpy's "Seed must be between 0 and 2**32 - 1" (or "Overflow when unpacking long
+    long") from inside transformers' set_seed, after the engines started."""
+    cfg = run_config(tmp_path, model, seed=seed)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], f"seed: must be in [0, 2**32), got {seed}",
+            absent=tmp_path / "run")

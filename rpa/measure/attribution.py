@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
@@ -76,6 +77,8 @@ class AttributionOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if seed_problem(self.seed):
+            raise InputError(f"--seed {seed_problem(self.seed)}")
 
 
 def _log(msg: str) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
@@ -52,6 +53,8 @@ class DiagnoseOptions:
     def __post_init__(self) -> None:
         if self.sequences < 1:
             raise InputError(f"--sequences must be >= 1, got {self.sequences}")
+        if seed_problem(self.seed):
+            raise InputError(f"--seed {seed_problem(self.seed)}")
 
 BOUNDARIES: tuple[str, ...] = ("attn_in", "attn_out", "mid_stream", "mlp_in", "swiglu_out", "mlp_out", "layer_out")
 FINAL = "final_norm"

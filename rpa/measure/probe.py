@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.measure.prompts import default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
@@ -103,8 +104,8 @@ class ProbeOptions:
         if self.max_tokens >= self.max_model_len:
             raise InputError(f"probe option max_tokens {self.max_tokens} leaves no room for a prompt in "
                              f"max_model_len {self.max_model_len}")
-        if not 0 <= self.seed < 2 ** 32:
-            raise InputError(f"probe option seed must be in [0, 2**32), got {self.seed}")
+        if seed_problem(self.seed):
+            raise InputError(f"probe option seed {seed_problem(self.seed)}")
         if self.full_kl_max_vocab < 0:
             raise InputError(f"probe option full_kl_max_vocab must be >= 0 (0: never), got {self.full_kl_max_vocab}")
         if self.decode_sequences is not None and (isinstance(self.decode_sequences, bool) or self.decode_sequences < 1):

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 
 ARCHS = ("qwen2", "qwen3", "llama")
 MIN_CONTEXT = 64
@@ -72,8 +73,8 @@ class TinySpec:
             raise InputError(f"head_dim must be a multiple of 32 (vLLM CPU attention), got {self.head_dim}")
         if not 0 < self.initializer_range < float("inf") or not 0 < self.rope_theta < float("inf"):
             raise InputError("initializer_range and rope_theta must be finite and > 0")
-        if not 0 <= self.seed < 2 ** 32:
-            raise InputError(f"seed must be in [0, 2**32), got {self.seed}")
+        if seed_problem(self.seed):
+            raise InputError(f"seed {seed_problem(self.seed)}")
         if self.max_position_embeddings < MIN_CONTEXT:
             raise InputError(f"max_position_embeddings {self.max_position_embeddings} cannot hold a prompt and a "
                              f"completion; at least {MIN_CONTEXT}")
