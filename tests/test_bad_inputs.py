@@ -278,3 +278,12 @@ def test_a_run_seed_numpy_cannot_take(capsys, model, tmp_path, seed):
     cfg = run_config(tmp_path, model, seed=seed)
     refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], f"seed: must be in [0, 2**32), got {seed}",
             absent=tmp_path / "run")
+
+
+@pytest.mark.parametrize("regions,write", [("ROPE", "rope"), ("rope, swiglu", "rope,swiglu")])
+def test_a_region_set_spelled_otherwise_is_refused_with_the_one_spelling(capsys, model, tmp_path, regions, write):
+    """Case 8: ``ROPE`` and ``rope, swiglu`` were read as ``rope`` / ``rope,swiglu`` though the
+    commands document one spelling (docs/commands.md): refused, naming the spelling to write."""
+    refused(capsys, ["probe", "--model", model, "--regions", regions, "--out", tmp_path / "o"],
+            f"region set {regions!r} is not spelled as region sets are (lower case, comma-separated without spaces): "
+            f"write {write!r}", absent=tmp_path / "o")
