@@ -368,7 +368,7 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
     config with its context length against the model's. Each failure is one line, exit 2.
     Returns the validated objects the command then uses (:class:`Checked`)."""
     from rpa.core.errors import InputError
-    from rpa.measure.inputs import check_model, check_output, check_token_ids
+    from rpa.measure.inputs import check_lengths, check_model, check_output, check_token_ids
 
     if args.command == "convert":
         source = _gguf_source(args)
@@ -455,7 +455,14 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
     if completions:
         from rpa.measure.scoring import load_completions
 
-        check_token_ids(load_completions(completions), int(config.vocab_size), completions)
+        records = load_completions(completions)
+        check_token_ids(records, int(config.vocab_size), completions)
+        if args.command == "probe":
+            check_lengths([(f"record seq {c['seq']} (prompt + completion)",
+                            len(c["prompt_ids"]) + len(c["completion_ids"])) for c in records],
+                          options.max_model_len, f"completions {completions}",
+                          "; raise --max-model-len" + (f" (up to the model's max_position_embeddings, {limit})"
+                                                       if limit else ""))
     check_output(args.out, "file" if args.command == "parity" else "dir",
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options

@@ -287,3 +287,27 @@ def test_a_region_set_spelled_otherwise_is_refused_with_the_one_spelling(capsys,
     refused(capsys, ["probe", "--model", model, "--regions", regions, "--out", tmp_path / "o"],
             f"region set {regions!r} is not spelled as region sets are (lower case, comma-separated without spaces): "
             f"write {write!r}", absent=tmp_path / "o")
+
+
+def test_a_completions_record_whose_seq_is_not_an_integer(capsys, model, tmp_path):
+    """Case 9: ``"seq": "a"`` was taken (and written into tokens.csv as it was)."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": "a", "prompt_ids": [3, 4], "completion_ids": [5]}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions),
+            "c.jsonl:1: seq must be an integer (the record's index), got 'a'", absent=tmp_path / "o")
+
+
+def test_completions_longer_than_the_engines_context(capsys, model, tmp_path):
+    """Case 2: vLLM's "The decoder prompt (length N) is longer than the maximum model length" from
+    inside the engine; also where the model's own context is the shorter one."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4], "completion_ids": [5] * 1100}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions),
+            "record seq 0 (prompt + completion) has 1102 tokens; the engine's context (max_model_len 1024) holds at "
+            "most 1023 before the token vLLM samples; raise --max-model-len (up to the model's "
+            "max_position_embeddings, 1024)", absent=tmp_path / "o")
+    _edit_config(model, max_position_embeddings=96)
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4], "completion_ids": [5] * 100}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions, "--max-model-len", "96",
+                          "--max-tokens", "8"),
+            "has 102 tokens; the engine's context (max_model_len 96) holds at most 95", absent=tmp_path / "o")

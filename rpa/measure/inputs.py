@@ -242,6 +242,17 @@ def check_token_ids(completions: list[dict[str, Any]], vocab_size: int, source: 
                              f"model's vocabulary (0..{vocab_size - 1})")
 
 
+def check_lengths(sequences: list[tuple[str, int]], max_model_len: int, source: str, hint: str = "") -> None:
+    """Every sequence vLLM is given (``(label, tokens)``) shorter than its context ``max_model_len``:
+    vLLM samples a token after each, so one of ``max_model_len`` tokens or more is refused inside
+    the engine, after it started. ``hint``: how to give the engine a longer context."""
+    for label, tokens in sequences:
+        if tokens >= max_model_len:
+            raise InputError(f"{source}: {label} has {tokens} tokens; the engine's context (max_model_len "
+                             f"{max_model_len}) holds at most {max_model_len - 1} before the token vLLM samples"
+                             f"{hint}")
+
+
 def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
