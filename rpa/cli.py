@@ -445,6 +445,8 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
     completions = getattr(args, "completions", None)
+    if args.command == "probe" and not completions:
+        options.check_engine_bounds()
     if args.command == "probe" and options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
 

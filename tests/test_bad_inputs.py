@@ -311,3 +311,24 @@ def test_completions_longer_than_the_engines_context(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o", "--completions", completions, "--max-model-len", "96",
                           "--max-tokens", "8"),
             "has 102 tokens; the engine's context (max_model_len 96) holds at most 95", absent=tmp_path / "o")
+
+
+def test_more_samples_than_vllm_gives_one_prompt(capsys, model, tmp_path):
+    """Case 1: vLLM's ``VLLMValidationError: n must be at most 16384`` after the engine started; the
+    bound is vLLM's own (``vllm.envs.VLLM_MAX_N_SEQUENCES``)."""
+    import vllm.envs
+
+    bound = vllm.envs.VLLM_MAX_N_SEQUENCES
+    refused(capsys, probe(model, tmp_path / "o", "--samples", "1000000000"),
+            f"probe option samples 1000000000: vLLM samples at most {bound} completions per prompt "
+            f"(its VLLM_MAX_N_SEQUENCES)", absent=tmp_path / "o")
+
+
+def test_more_built_in_prompts_than_there_are(capsys, model, tmp_path):
+    """Case 7: ``--prompts 100000000000`` ran until memory was gone, drawing built-in prompts."""
+    from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts
+
+    assert len(set(default_prompts(50 * DEFAULT_PROMPTS_DISTINCT, 0))) == DEFAULT_PROMPTS_DISTINCT  # the bound
+    refused(capsys, probe(model, tmp_path / "o", "--prompts", "100000000000"),
+            f"probe option prompts 100000000000: the built-in prompts are {DEFAULT_PROMPTS_DISTINCT} distinct ones, "
+            f"more would repeat them", absent=tmp_path / "o")
