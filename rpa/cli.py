@@ -459,12 +459,20 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
 
         records = load_completions(completions)
         check_token_ids(records, int(config.vocab_size), completions)
+        lengths = [(f"record seq {c['seq']} (prompt + completion)", len(c["prompt_ids"]) + len(c["completion_ids"]))
+                   for c in records]
         if args.command == "probe":
-            check_lengths([(f"record seq {c['seq']} (prompt + completion)",
-                            len(c["prompt_ids"]) + len(c["completion_ids"])) for c in records],
-                          options.max_model_len, f"completions {completions}",
+            check_lengths(lengths, options.max_model_len, f"completions {completions}",
                           "; raise --max-model-len" + (f" (up to the model's max_position_embeddings, {limit})"
                                                        if limit else ""))
+        if args.command == "attribute":
+            from rpa.sides.engine import engine_context
+
+            check_lengths(lengths[: options.sequences], engine_context(config), f"completions {completions}")
+    if args.command == "diagnose":
+        from rpa.measure.diagnose import check_sequences
+
+        check_sequences(_sequences(args), config, completions)  # as many as asked, each within the context
     check_output(args.out, "file" if args.command == "parity" else "dir",
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options

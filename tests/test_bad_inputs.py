@@ -332,3 +332,27 @@ def test_more_built_in_prompts_than_there_are(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o", "--prompts", "100000000000"),
             f"probe option prompts 100000000000: the built-in prompts are {DEFAULT_PROMPTS_DISTINCT} distinct ones, "
             f"more would repeat them", absent=tmp_path / "o")
+
+
+def test_diagnose_on_a_model_whose_context_the_sequences_do_not_fit(capsys, model, tmp_path):
+    """Case 5: pydantic's ``ValidationError`` for ModelConfig (vLLM's max_model_len 1024 past the
+    model's max_position_embeddings 8) from inside the engine's start. Diagnose's engine now gets the
+    model's context where it is the shorter (the built-in prompts, at most 7 tokens on the tiny
+    tokenizer, run on it); a sequence that does not fit it is refused up front."""
+    _edit_config(model, max_position_embeddings=8)
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4, 5, 6], "completion_ids": [7, 8, 9, 10]}) + "\n")
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions",
+                     completions, "--sequences", "1"],
+            f"completions {completions}: sequence 0 has 8 tokens; the engine's context (max_model_len 8) holds at most "
+            f"7 before the token vLLM samples (the model's max_position_embeddings)", absent=tmp_path / "o")
+
+
+def test_diagnose_asking_for_more_sequences_than_the_file_holds(capsys, model, tmp_path):
+    """Case 10: ``--sequences 1000000`` on a 64-sequence file ran on the 64 without a word."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text("".join(json.dumps({"seq": i, "prompt_ids": [3, 4], "completion_ids": [5 + i]}) + "\n"
+                                   for i in range(64)))
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions",
+                     completions, "--sequences", "1000000"],
+            f"--sequences 1000000: {completions} holds 64 sequences", absent=tmp_path / "o")

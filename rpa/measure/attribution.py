@@ -371,7 +371,9 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
     from rpa.core.provenance import provenance
     from rpa.measure.metrics import mismatch_metrics
     from rpa.measure.scoring import load_completions, sampler_logprobs, trainer_logprobs
-    from rpa.sides.engine import close_llm, make_llm, release_memory
+    from transformers import AutoConfig
+
+    from rpa.sides.engine import close_llm, engine_context, make_llm, release_memory
     from rpa.sides.trainer import load_trainer_model, trainer_context
 
     out, done = claim(out_dir, "attribute", recorded_options(model, numerics, completions_path, options),
@@ -384,7 +386,7 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
     completions = load_completions(completions_path)[: options.sequences]
     _log(f"{model}: {numerics.to_dict()}, {len(completions)} sequences, rungs {', '.join(RUNGS)}")
     llm = make_llm(model, numerics, enforce_eager=True, multiprocess=False, seed=options.seed,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, max_model_len=engine_context(AutoConfig.from_pretrained(model)))
     mu = [sampler_logprobs(llm, [c], None)[0][0] for c in completions]  # one request per sequence
     vllm = vllm_model(llm)
     hf, alignment = load_trainer_model(numerics, model)
