@@ -381,11 +381,12 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         return Checked(options=spec)
     if args.command == "tiny":
         from rpa.core.fieldtypes import from_args
-        from rpa.sides.tiny import TinySpec
+        from rpa.sides.tiny import TinySpec, check_target
 
         spec = from_args(TinySpec, args)
         spec.validate()
         check_output(args.out, "dir", command="tiny")
+        check_target(args.out)
         return Checked(options=spec)
     if args.command in ("train", "warm-start"):
         from rpa.train.config import TrainConfig

@@ -356,3 +356,23 @@ def test_diagnose_asking_for_more_sequences_than_the_file_holds(capsys, model, t
     refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions",
                      completions, "--sequences", "1000000"],
             f"--sequences 1000000: {completions} holds 64 sequences", absent=tmp_path / "o")
+
+
+def test_a_tiny_vocabulary_past_any_real_models(capsys, tmp_path):
+    """Case 3: ``--vocab-size 100000000000`` aborted the process in tokenizers' BPE trainer (Rust's
+    "memory allocation of ... bytes failed", SIGABRT) after creating the directory."""
+    from rpa.sides.tiny import MAX_VOCAB
+
+    refused(capsys, ["tiny", "--out", tmp_path / "t", "--vocab-size", "100000000000"],
+            f"vocab_size must be at most {MAX_VOCAB} (the largest vocabulary of a released LM; the tokenizer has ~800 "
+            f"tokens), got 100000000000", absent=tmp_path / "t")
+
+
+def test_tiny_into_a_directory_of_someone_elses_files(capsys, tmp_path):
+    """Case 12: ``rpa tiny --out DIR`` wrote a model among DIR's other files."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    refused(capsys, ["tiny", "--out", other], f"--out {other}: a non-empty directory that is not a tiny model "
+                                              f"(notes.txt); rpa tiny writes into a new or empty directory")
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
