@@ -376,3 +376,30 @@ def test_tiny_into_a_directory_of_someone_elses_files(capsys, tmp_path):
     refused(capsys, ["tiny", "--out", other], f"--out {other}: a non-empty directory that is not a tiny model "
                                               f"(notes.txt); rpa tiny writes into a new or empty directory")
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_non_finite_weights_and_config_values_are_named(capsys, model, tmp_path):
+    """Case 4: NaN bytes under an intact safetensors header, and ``rms_norm_eps: NaN``, ran both
+    engines to numpy's "zero-size array to reduction operation maximum" (no token sampled)."""
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    good = bytes(data)
+    data[8 + length + begin:8 + length + end] = b"\xff" * (end - begin)  # 0xffff: a BF16 NaN
+    weights.write_bytes(bytes(data))
+    refused(capsys, probe(model, tmp_path / "o"), "tensor model.norm.weight in model.safetensors holds NaN or infinite "
+                                                  "values (damaged weights)", absent=tmp_path / "o")
+    weights.write_bytes(good)
+    _edit_config(model, rms_norm_eps=float("nan"))
+    refused(capsys, probe(model, tmp_path / "o"), "config.json's rms_norm_eps is not a finite number",
+            absent=tmp_path / "o")
+
+
+def test_an_eos_token_outside_the_vocabulary(capsys, model, tmp_path):
+    """Case 11: a model whose eos_token_id lies outside its vocabulary was probed without a word."""
+    _edit_config(model, eos_token_id=600)
+    refused(capsys, probe(model, tmp_path / "o"), "config.json's eos_token_id 600 is outside the vocabulary (0..511): no "
+                                                  "engine can sample it, so generation would never stop on it",
+            absent=tmp_path / "o")
