@@ -229,10 +229,11 @@ def test_argparse_and_yaml_errors_are_one_line(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o", "--completions", tmp_path), "is a directory, not a completions file")
 
 
-def _snakemake_parse(tmp_path, config):
+def _snakemake_parse(tmp_path, config, **env_vars):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}",
+           **env_vars}
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -403,3 +404,48 @@ def test_an_eos_token_outside_the_vocabulary(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o"), "config.json's eos_token_id 600 is outside the vocabulary (0..511): no "
                                                   "engine can sample it, so generation would never stop on it",
             absent=tmp_path / "o")
+
+
+
+def _refused_at_parse(proc, needle, tmp_path):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and any(needle in line for line in lines), proc.stderr[-2000:]
+    assert sum(line.startswith("rpa config: error:") for line in lines) == 1 and len(lines) <= 3, lines
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.cli
+def test_a_main_config_whose_results_is_not_a_path(tmp_path):
+    """Case 13: ``results: 5`` in a config of experiments/config.yaml's shape is refused when
+    Snakemake parses it (a dry run stops), in one line."""
+    config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
+    config["results"] = 5
+    _refused_at_parse(_snakemake_parse(tmp_path, config), "rpa config: error: results: 5 is not of type 'string'",
+                      tmp_path)
+
+
+@pytest.mark.cli
+def test_a_missing_model_path_that_reads_as_a_hub_id_is_refused_at_parse_time(tmp_path):
+    """Case 14: ``path: models/mine`` that is not there read as a hub id, which was left to the job
+    that loads it. A relative path whose first part is a local directory (``results/`` of the
+    repository) is a local path; one that is not is asked of the cache and, offline, refused when
+    Snakemake parses the config."""
+    assert (REPO / "results").is_dir() and not (REPO / "models").exists()
+    config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
+    config["results"] = str(tmp_path / "results")
+    config["models"]["smollm2"] = {"path": "results/missing-model"}
+    _refused_at_parse(_snakemake_parse(tmp_path, config),
+                      "models.smollm2.path: results/missing-model: no such directory, and not a hub id of the form "
+                      "'org/name' whose org is not a local directory", tmp_path)
+    config["models"]["smollm2"] = {"path": "models/missing-model"}
+    _refused_at_parse(_snakemake_parse(tmp_path, config, HF_HUB_OFFLINE="1"),
+                      "models.smollm2.path: models/missing-model: no such local directory, and not in the Hugging Face "
+                      "cache (HF_HUB_OFFLINE is set)", tmp_path)
+
+
+@pytest.mark.parametrize("command", ["probe", "diagnose", "attribute"])
+def test_completions_naming_a_directory_is_one_line(capsys, model, tmp_path, command):
+    """Case 15: ``--completions DIR`` is one line (no argparse usage block) in every command that
+    reads completions."""
+    refused(capsys, [command, "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions", tmp_path],
+            f"{tmp_path}: is a directory, not a completions file", absent=tmp_path / "o")

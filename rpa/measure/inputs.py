@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rpa.core.errors import InputError, looks_like_hub_id
+from rpa.core.errors import HUB_ID_FORM, InputError, looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -45,11 +45,13 @@ def check_model(spec: str) -> Any:
     elif looks_like_hub_id(spec):
         source = spec
     else:
-        raise InputError(f"model {spec}: no such directory, and not a hub id of the form 'org/name'")
+        raise InputError(f"model {spec}: no such directory, and not {HUB_ID_FORM}")
     from transformers import AutoConfig
 
     if not path.is_dir():
-        _check_hub_reachable(spec)
+        problem = hub_problem(spec)
+        if problem:
+            raise InputError(f"model {spec}: {problem}")
     try:
         config = AutoConfig.from_pretrained(source)
     except Exception as err:  # noqa: BLE001 - any failure to read the config is the user's input
@@ -123,10 +125,10 @@ def check_causal_lm(config, spec: str) -> None:
                          f"engines load (a classification or QA head is trained elsewhere)")
 
 
-def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
-    """A hub id not in the local cache needs the hub: refuse at once when it cannot be reached
-    (offline mode, or no connection within ``timeout_s``), instead of after the hub client's
-    retries (~30 s)."""
+def hub_problem(spec: str, timeout_s: float = 3.0) -> str | None:
+    """Why the hub id ``spec`` (no local directory) cannot be loaded now, or None: not in the local
+    cache and the hub unreachable (offline mode, or no connection within ``timeout_s``) -- said at
+    once, instead of after the hub client's retries (~30 s) or when a workflow's job loads it."""
     import socket
     from urllib.parse import urlparse
 
@@ -134,17 +136,17 @@ def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
 
     cached = try_to_load_from_cache(spec, "config.json")
     if isinstance(cached, str):
-        return
+        return None
     if constants.HF_HUB_OFFLINE:
-        raise InputError(f"model {spec}: no such local directory, and not in the Hugging Face cache (HF_HUB_OFFLINE "
-                         f"is set)")
+        return "no such local directory, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
     url = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
                                  timeout=timeout_s).close()
     except OSError as err:
-        raise InputError(f"model {spec}: no such local directory, not in the Hugging Face cache, and the hub "
-                         f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__})") from None
+        return (f"no such local directory, not in the Hugging Face cache, and the hub ({constants.ENDPOINT}) cannot "
+                f"be reached ({type(err).__name__})")
+    return None
 
 
 def _ints(value: Any, count: int | None = None) -> bool:
