@@ -1,6 +1,8 @@
 """The second bad-input pass (issue 33), kind by kind: each case refused in one line with exit 2
 before any model or engine loads, nothing created. In-process (``rpa.cli.main``), as in
-``tests/test_refusals.py``; the Snakemake cases run the workflow's own parse in a subprocess."""
+``tests/test_refusals.py``; the Snakemake cases run the workflow's own parse in a subprocess. The
+last section is the third pass (issue 57): one test per case, each docstring naming the case and
+what it did before."""
 
 import json
 import os
