@@ -368,7 +368,7 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
     config with its context length against the model's. Each failure is one line, exit 2.
     Returns the validated objects the command then uses (:class:`Checked`)."""
     from rpa.core.errors import InputError
-    from rpa.measure.inputs import check_model, check_output, check_token_ids
+    from rpa.measure.inputs import check_lengths, check_model, check_output, check_token_ids
 
     if args.command == "convert":
         source = _gguf_source(args)
@@ -381,11 +381,12 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         return Checked(options=spec)
     if args.command == "tiny":
         from rpa.core.fieldtypes import from_args
-        from rpa.sides.tiny import TinySpec
+        from rpa.sides.tiny import TinySpec, check_target
 
         spec = from_args(TinySpec, args)
         spec.validate()
         check_output(args.out, "dir", command="tiny")
+        check_target(args.out)
         return Checked(options=spec)
     if args.command in ("train", "warm-start"):
         from rpa.train.config import TrainConfig
@@ -448,6 +449,8 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
     completions = getattr(args, "completions", None)
+    if args.command == "probe" and not completions:
+        options.check_engine_bounds()
     if args.command == "probe" and options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
 
@@ -458,7 +461,22 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
     if completions:
         from rpa.measure.scoring import load_completions
 
-        check_token_ids(load_completions(completions), int(config.vocab_size), completions)
+        records = load_completions(completions)
+        check_token_ids(records, int(config.vocab_size), completions)
+        lengths = [(f"record seq {c['seq']} (prompt + completion)", len(c["prompt_ids"]) + len(c["completion_ids"]))
+                   for c in records]
+        if args.command == "probe":
+            check_lengths(lengths, options.max_model_len, f"completions {completions}",
+                          "; raise --max-model-len" + (f" (up to the model's max_position_embeddings, {limit})"
+                                                       if limit else ""))
+        if args.command == "attribute":
+            from rpa.sides.engine import engine_context
+
+            check_lengths(lengths[: options.sequences], engine_context(config), f"completions {completions}")
+    if args.command == "diagnose":
+        from rpa.measure.diagnose import check_sequences
+
+        check_sequences(_sequences(args), config, completions)  # as many as asked, each within the context
     check_output(args.out, "file" if args.command == "parity" else "dir",
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options

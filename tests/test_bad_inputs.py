@@ -1,6 +1,8 @@
 """The second bad-input pass (issue 33), kind by kind: each case refused in one line with exit 2
 before any model or engine loads, nothing created. In-process (``rpa.cli.main``), as in
-``tests/test_refusals.py``; the Snakemake cases run the workflow's own parse in a subprocess."""
+``tests/test_refusals.py``; the Snakemake cases run the workflow's own parse in a subprocess. The
+last section is the third pass (issue 57): one test per case, each docstring naming the case and
+what it did before."""
 
 import json
 import os
@@ -229,10 +231,11 @@ def test_argparse_and_yaml_errors_are_one_line(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o", "--completions", tmp_path), "is a directory, not a completions file")
 
 
-def _snakemake_parse(tmp_path, config):
+def _snakemake_parse(tmp_path, config, **env_vars):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}",
+           **env_vars}
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -267,3 +270,184 @@ def test_a_study_naming_an_unknown_reference_arm():
     with pytest.raises(PipelineConfigError, match="study.reference_arm: 'nnone' is not an arm of study.arms "
                                                   r"\(did you mean 'none'\?\)"):
         check_config(config)
+
+
+# ------------------------------------------- the last bad inputs (issue 57), one test per case
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64])
+def test_a_run_seed_numpy_cannot_take(capsys, model, tmp_path, seed):
+    """Case 6: numpy's "Seed must be between 0 and 2**32 - 1" (or "Overflow when unpacking long
+    long") from inside transformers' set_seed, after the engines started."""
+    cfg = run_config(tmp_path, model, seed=seed)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], f"seed: must be in [0, 2**32), got {seed}",
+            absent=tmp_path / "run")
+
+
+@pytest.mark.parametrize("regions,write", [("ROPE", "rope"), ("rope, swiglu", "rope,swiglu")])
+def test_a_region_set_spelled_otherwise_is_refused_with_the_one_spelling(capsys, model, tmp_path, regions, write):
+    """Case 8: ``ROPE`` and ``rope, swiglu`` were read as ``rope`` / ``rope,swiglu`` though the
+    commands document one spelling (docs/commands.md): refused, naming the spelling to write."""
+    refused(capsys, ["probe", "--model", model, "--regions", regions, "--out", tmp_path / "o"],
+            f"region set {regions!r} is not spelled as region sets are (lower case, comma-separated without spaces): "
+            f"write {write!r}", absent=tmp_path / "o")
+
+
+def test_a_completions_record_whose_seq_is_not_an_integer(capsys, model, tmp_path):
+    """Case 9: ``"seq": "a"`` was taken (and written into tokens.csv as it was)."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": "a", "prompt_ids": [3, 4], "completion_ids": [5]}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions),
+            "c.jsonl:1: seq must be an integer (the record's index), got 'a'", absent=tmp_path / "o")
+
+
+def test_completions_longer_than_the_engines_context(capsys, model, tmp_path):
+    """Case 2: vLLM's "The decoder prompt (length N) is longer than the maximum model length" from
+    inside the engine; also where the model's own context is the shorter one."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4], "completion_ids": [5] * 1100}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions),
+            "record seq 0 (prompt + completion) has 1102 tokens; the engine's context (max_model_len 1024) holds at "
+            "most 1023 before the token vLLM samples; raise --max-model-len (up to the model's "
+            "max_position_embeddings, 1024)", absent=tmp_path / "o")
+    _edit_config(model, max_position_embeddings=96)
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4], "completion_ids": [5] * 100}) + "\n")
+    refused(capsys, probe(model, tmp_path / "o", "--completions", completions, "--max-model-len", "96",
+                          "--max-tokens", "8"),
+            "has 102 tokens; the engine's context (max_model_len 96) holds at most 95", absent=tmp_path / "o")
+
+
+def test_more_samples_than_vllm_gives_one_prompt(capsys, model, tmp_path):
+    """Case 1: vLLM's ``VLLMValidationError: n must be at most 16384`` after the engine started; the
+    bound is vLLM's own (``vllm.envs.VLLM_MAX_N_SEQUENCES``)."""
+    import vllm.envs
+
+    bound = vllm.envs.VLLM_MAX_N_SEQUENCES
+    refused(capsys, probe(model, tmp_path / "o", "--samples", "1000000000"),
+            f"probe option samples 1000000000: vLLM samples at most {bound} completions per prompt "
+            f"(its VLLM_MAX_N_SEQUENCES)", absent=tmp_path / "o")
+
+
+def test_more_built_in_prompts_than_there_are(capsys, model, tmp_path):
+    """Case 7: ``--prompts 100000000000`` ran until memory was gone, drawing built-in prompts."""
+    from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts
+
+    assert len(set(default_prompts(50 * DEFAULT_PROMPTS_DISTINCT, 0))) == DEFAULT_PROMPTS_DISTINCT  # the bound
+    refused(capsys, probe(model, tmp_path / "o", "--prompts", "100000000000"),
+            f"probe option prompts 100000000000: the built-in prompts are {DEFAULT_PROMPTS_DISTINCT} distinct ones, "
+            f"more would repeat them", absent=tmp_path / "o")
+
+
+def test_diagnose_on_a_model_whose_context_the_sequences_do_not_fit(capsys, model, tmp_path):
+    """Case 5: pydantic's ``ValidationError`` for ModelConfig (vLLM's max_model_len 1024 past the
+    model's max_position_embeddings 8) from inside the engine's start. Diagnose's engine now gets the
+    model's context where it is the shorter (the built-in prompts, at most 7 tokens on the tiny
+    tokenizer, run on it); a sequence that does not fit it is refused up front."""
+    _edit_config(model, max_position_embeddings=8)
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"seq": 0, "prompt_ids": [3, 4, 5, 6], "completion_ids": [7, 8, 9, 10]}) + "\n")
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions",
+                     completions, "--sequences", "1"],
+            f"completions {completions}: sequence 0 has 8 tokens; the engine's context (max_model_len 8) holds at most "
+            f"7 before the token vLLM samples (the model's max_position_embeddings)", absent=tmp_path / "o")
+
+
+def test_diagnose_asking_for_more_sequences_than_the_file_holds(capsys, model, tmp_path):
+    """Case 10: ``--sequences 1000000`` on a 64-sequence file ran on the 64 without a word."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text("".join(json.dumps({"seq": i, "prompt_ids": [3, 4], "completion_ids": [5 + i]}) + "\n"
+                                   for i in range(64)))
+    refused(capsys, ["diagnose", "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions",
+                     completions, "--sequences", "1000000"],
+            f"--sequences 1000000: {completions} holds 64 sequences", absent=tmp_path / "o")
+
+
+def test_a_tiny_vocabulary_past_any_real_models(capsys, tmp_path):
+    """Case 3: ``--vocab-size 100000000000`` aborted the process in tokenizers' BPE trainer (Rust's
+    "memory allocation of ... bytes failed", SIGABRT) after creating the directory."""
+    from rpa.sides.tiny import MAX_VOCAB
+
+    refused(capsys, ["tiny", "--out", tmp_path / "t", "--vocab-size", "100000000000"],
+            f"vocab_size must be at most {MAX_VOCAB} (the largest vocabulary of a released LM; the tokenizer has ~800 "
+            f"tokens), got 100000000000", absent=tmp_path / "t")
+
+
+def test_tiny_into_a_directory_of_someone_elses_files(capsys, tmp_path):
+    """Case 12: ``rpa tiny --out DIR`` wrote a model among DIR's other files."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    refused(capsys, ["tiny", "--out", other], f"--out {other}: a non-empty directory that is not a tiny model "
+                                              f"(notes.txt); rpa tiny writes into a new or empty directory")
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_non_finite_weights_and_config_values_are_named(capsys, model, tmp_path):
+    """Case 4: NaN bytes under an intact safetensors header, and ``rms_norm_eps: NaN``, ran both
+    engines to numpy's "zero-size array to reduction operation maximum" (no token sampled)."""
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    good = bytes(data)
+    data[8 + length + begin:8 + length + end] = b"\xff" * (end - begin)  # 0xffff: a BF16 NaN
+    weights.write_bytes(bytes(data))
+    refused(capsys, probe(model, tmp_path / "o"), "tensor model.norm.weight in model.safetensors holds NaN or infinite "
+                                                  "values (damaged weights)", absent=tmp_path / "o")
+    weights.write_bytes(good)
+    _edit_config(model, rms_norm_eps=float("nan"))
+    refused(capsys, probe(model, tmp_path / "o"), "config.json's rms_norm_eps is not a finite number",
+            absent=tmp_path / "o")
+
+
+def test_an_eos_token_outside_the_vocabulary(capsys, model, tmp_path):
+    """Case 11: a model whose eos_token_id lies outside its vocabulary was probed without a word."""
+    _edit_config(model, eos_token_id=600)
+    refused(capsys, probe(model, tmp_path / "o"), "config.json's eos_token_id 600 is outside the vocabulary (0..511): no "
+                                                  "engine can sample it, so generation would never stop on it",
+            absent=tmp_path / "o")
+
+
+
+def _refused_at_parse(proc, needle, tmp_path):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and any(needle in line for line in lines), proc.stderr[-2000:]
+    assert sum(line.startswith("rpa config: error:") for line in lines) == 1 and len(lines) <= 3, lines
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.cli
+def test_a_main_config_whose_results_is_not_a_path(tmp_path):
+    """Case 13: ``results: 5`` in a config of experiments/config.yaml's shape is refused when
+    Snakemake parses it (a dry run stops), in one line."""
+    config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
+    config["results"] = 5
+    _refused_at_parse(_snakemake_parse(tmp_path, config), "rpa config: error: results: 5 is not of type 'string'",
+                      tmp_path)
+
+
+@pytest.mark.cli
+def test_a_missing_model_path_that_reads_as_a_hub_id_is_refused_at_parse_time(tmp_path):
+    """Case 14: ``path: models/mine`` that is not there read as a hub id, which was left to the job
+    that loads it. A relative path whose first part is a local directory (``results/`` of the
+    repository) is a local path; one that is not is asked of the cache and, offline, refused when
+    Snakemake parses the config."""
+    assert (REPO / "results").is_dir() and not (REPO / "models").exists()
+    config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
+    config["results"] = str(tmp_path / "results")
+    config["models"]["smollm2"] = {"path": "results/missing-model"}
+    _refused_at_parse(_snakemake_parse(tmp_path, config),
+                      "models.smollm2.path: results/missing-model: no such directory, and not a hub id of the form "
+                      "'org/name' whose org is not a local directory", tmp_path)
+    config["models"]["smollm2"] = {"path": "models/missing-model"}
+    _refused_at_parse(_snakemake_parse(tmp_path, config, HF_HUB_OFFLINE="1"),
+                      "models.smollm2.path: models/missing-model: no such local directory, and not in the Hugging Face "
+                      "cache (HF_HUB_OFFLINE is set)", tmp_path)
+
+
+@pytest.mark.parametrize("command", ["probe", "diagnose", "attribute"])
+def test_completions_naming_a_directory_is_one_line(capsys, model, tmp_path, command):
+    """Case 15: ``--completions DIR`` is one line (no argparse usage block) in every command that
+    reads completions."""
+    refused(capsys, [command, "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions", tmp_path],
+            f"{tmp_path}: is a directory, not a completions file", absent=tmp_path / "o")

@@ -4,8 +4,8 @@ from rpa.core.regions import REGIONS, RegionError, format_regions, parse_regions
 
 
 @pytest.mark.parametrize("spec,want", [
-    (None, set()), ("none", set()), ("NONE", set()),
-    ("all", set(REGIONS)), ("rope", {"rope"}), ("rope, swiglu", {"rope", "swiglu"}),
+    (None, set()), ("none", set()),
+    ("all", set(REGIONS)), ("rope", {"rope"}), ("rope,swiglu", {"rope", "swiglu"}),
     ("rmsnorm,rope,swiglu", set(REGIONS)),
 ])
 def test_parse(spec, want):
@@ -36,4 +36,11 @@ def test_region_label_is_the_file_system_form_of_either_representation():
 @pytest.mark.parametrize("spec", ["", "  "])
 def test_an_empty_region_set_is_refused_not_read_as_none(spec):
     with pytest.raises(RegionError, match="empty region set.*write 'none'"):
+        parse_regions(spec)
+
+
+@pytest.mark.parametrize("spec,write", [("NONE", "none"), ("ROPE", "rope"), ("rope, swiglu", "rope,swiglu"),
+                                        (" all", "all"), ("Rope,SwiGLU", "rope,swiglu")])
+def test_one_spelling_other_cases_and_spaces_are_refused_with_the_one_to_write(spec, write):
+    with pytest.raises(RegionError, match=f"write '{write}'"):
         parse_regions(spec)

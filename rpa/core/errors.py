@@ -21,5 +21,14 @@ class InputError(UserError):
     """A model, file or directory given on the command line or in a config that cannot be used."""
 
 
+HUB_ID_FORM = "a hub id of the form 'org/name' whose org is not a local directory"
+"""What :func:`looks_like_hub_id` takes, for messages."""
+
+
 def looks_like_hub_id(spec: str) -> bool:
-    return bool(HUB_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+    """``spec``, a path that is not there, reads as a hub id: ``org/name``, and ``org`` not a local
+    directory (``models/mine`` beside a ``models/`` directory is a local path that is missing, not a
+    hub id to ask the hub for)."""
+    from pathlib import Path
+
+    return bool(HUB_ID.match(spec)) and not spec.startswith((".", "/", "~")) and not Path(spec).parent.is_dir()

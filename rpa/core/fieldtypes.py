@@ -24,6 +24,19 @@ class FieldTypeError(UserError):
     """A config value of the wrong type (the message names the key)."""
 
 
+SEED_LIMIT = 2 ** 32
+"""Every seed of rpa is in ``[0, SEED_LIMIT)``: numpy's legacy generator (``np.random.seed``, which
+transformers' ``set_seed`` and vLLM's seeding call) takes no other (``Seed must be between 0 and
+2**32 - 1``; past 2**64 ``Overflow when unpacking long long``)."""
+
+
+def seed_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be a seed (``"must be in [0, 2**32), got ..."``), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        return f"must be in [0, 2**32), got {value!r}"
+    return None
+
+
 def _shown(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 

@@ -21,7 +21,9 @@ def parse_regions(spec: str | None) -> frozenset[str]:
 
     ``None`` (not given) means ``none``; an empty string is an error (an empty list written where
     a region set belongs is not silently "no region": write ``none``). Unknown names, duplicates
-    and mixing ``all``/``none`` with names are errors that list the valid names.
+    and mixing ``all``/``none`` with names are errors that list the valid names. One spelling:
+    lower case, names separated by commas alone (``rope,swiglu``); ``ROPE`` or ``rope, swiglu`` is
+    refused with the spelling to write, not read as it. The names may come in any order (a set).
     """
     if spec is None:
         return frozenset()
@@ -29,6 +31,10 @@ def parse_regions(spec: str | None) -> frozenset[str]:
     valid = f"valid: 'none', 'all', or a comma-separated subset of {', '.join(REGIONS)}"
     if text == "":
         raise RegionError(f"empty region set {spec!r}; write 'none' for no aligned region ({valid})")
+    spelled = ",".join(part.strip() for part in text.split(","))
+    if spec != spelled:
+        raise RegionError(f"region set {spec!r} is not spelled as region sets are (lower case, comma-separated "
+                          f"without spaces): write {spelled!r} ({valid})")
     if text == "none":
         return frozenset()
     if text == "all":

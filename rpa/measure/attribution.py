@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
@@ -76,6 +77,8 @@ class AttributionOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if seed_problem(self.seed):
+            raise InputError(f"--seed {seed_problem(self.seed)}")
 
 
 def _log(msg: str) -> None:
@@ -368,7 +371,9 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
     from rpa.core.provenance import provenance
     from rpa.measure.metrics import mismatch_metrics
     from rpa.measure.scoring import load_completions, sampler_logprobs, trainer_logprobs
-    from rpa.sides.engine import close_llm, make_llm, release_memory
+    from transformers import AutoConfig
+
+    from rpa.sides.engine import close_llm, engine_context, make_llm, release_memory
     from rpa.sides.trainer import load_trainer_model, trainer_context
 
     out, done = claim(out_dir, "attribute", recorded_options(model, numerics, completions_path, options),
@@ -381,7 +386,7 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
     completions = load_completions(completions_path)[: options.sequences]
     _log(f"{model}: {numerics.to_dict()}, {len(completions)} sequences, rungs {', '.join(RUNGS)}")
     llm = make_llm(model, numerics, enforce_eager=True, multiprocess=False, seed=options.seed,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, max_model_len=engine_context(AutoConfig.from_pretrained(model)))
     mu = [sampler_logprobs(llm, [c], None)[0][0] for c in completions]  # one request per sequence
     vllm = vllm_model(llm)
     hf, alignment = load_trainer_model(numerics, model)

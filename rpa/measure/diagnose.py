@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
@@ -52,6 +53,8 @@ class DiagnoseOptions:
     def __post_init__(self) -> None:
         if self.sequences < 1:
             raise InputError(f"--sequences must be >= 1, got {self.sequences}")
+        if seed_problem(self.seed):
+            raise InputError(f"--seed {seed_problem(self.seed)}")
 
 BOUNDARIES: tuple[str, ...] = ("attn_in", "attn_out", "mid_stream", "mlp_in", "swiglu_out", "mlp_out", "layer_out")
 FINAL = "final_norm"
@@ -185,7 +188,12 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
     t0 = time.time()
     started = provenance(model)  # the code that ran is the code at the start
     log("diagnose", f"{model}: {numerics.to_dict()}, {len(sequences)} sequences")
-    llm = make_llm(model, numerics, enforce_eager=True, seed=seed, enable_prefix_caching=False)
+    from transformers import AutoConfig
+
+    from rpa.sides.engine import engine_context
+
+    llm = make_llm(model, numerics, enforce_eager=True, seed=seed, enable_prefix_caching=False,
+                   max_model_len=engine_context(AutoConfig.from_pretrained(model)))
     llm.collective_rpc(_worker_install)
     vllm_runs = []
     for ids in sequences:
@@ -235,17 +243,37 @@ def run_diagnose(model: str, numerics: NumericsConfig, out_dir: str | Path, sequ
 
 def sequences_from(completions_path: str | Path | None, model: str, count: int, seed: int) -> list[list[int]]:
     """``count`` token sequences: prompt + completion from a probe's ``completions.jsonl``,
-    or the probe's default prompts tokenized."""
+    or the probe's default prompts tokenized; refused (:class:`InputError`) where there are fewer."""
     if completions_path is not None:
         from rpa.measure.scoring import load_completions
 
-        return [c["prompt_ids"] + c["completion_ids"] for c in load_completions(completions_path)[:count]]
-    from transformers import AutoTokenizer
+        records = load_completions(completions_path)
+        if count > len(records):
+            raise InputError(f"--sequences {count}: {completions_path} holds {len(records)} sequences")
+        return [c["prompt_ids"] + c["completion_ids"] for c in records[:count]]
+    from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts
 
-    from rpa.measure.prompts import default_prompts
+    if count > DEFAULT_PROMPTS_DISTINCT:
+        raise InputError(f"--sequences {count}: the built-in prompts are {DEFAULT_PROMPTS_DISTINCT} distinct ones "
+                         f"(more sequences: --completions)")
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return [tokenizer.encode(p) for p in default_prompts(count, seed)]
+
+
+def check_sequences(sequences: list[list[int]], config, source: str | Path | None) -> None:
+    """Every sequence fits the context diagnose's engine runs with on a model of HF ``config``
+    (:func:`rpa.sides.engine.engine_context`); ``source``: the completions file, or None (the
+    built-in prompts)."""
+    from rpa.measure.inputs import check_lengths
+    from rpa.sides.engine import engine_context
+
+    where = f"completions {source}" if source else "the built-in prompts"
+    context = engine_context(config)
+    limited = context < engine_context(None)  # the model's max_position_embeddings, not the default, bounds it
+    check_lengths([(f"sequence {i}", len(ids)) for i, ids in enumerate(sequences)], context, where,
+                  " (the model's max_position_embeddings)" if limited else "")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

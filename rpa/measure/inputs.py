@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rpa.core.errors import InputError, looks_like_hub_id
+from rpa.core.errors import HUB_ID_FORM, InputError, looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -45,11 +45,13 @@ def check_model(spec: str) -> Any:
     elif looks_like_hub_id(spec):
         source = spec
     else:
-        raise InputError(f"model {spec}: no such directory, and not a hub id of the form 'org/name'")
+        raise InputError(f"model {spec}: no such directory, and not {HUB_ID_FORM}")
     from transformers import AutoConfig
 
     if not path.is_dir():
-        _check_hub_reachable(spec)
+        problem = hub_problem(spec)
+        if problem:
+            raise InputError(f"model {spec}: {problem}")
     try:
         config = AutoConfig.from_pretrained(source)
     except Exception as err:  # noqa: BLE001 - any failure to read the config is the user's input
@@ -61,10 +63,52 @@ def check_model(spec: str) -> Any:
         check_config(config)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"model {spec}: {err}") from None
+    check_config_values(config, spec, path / "generation_config.json" if path.is_dir() else None)
     if path.is_dir():
         check_causal_lm(config, spec)
         check_checkpoint(path, spec, config)
     return config
+
+
+def _nonfinite(value: Any, key: str = "") -> str | None:
+    """The key (``a.b``, ``a[1]``) of the first number in ``value`` that is not finite, or None."""
+    import math
+
+    if isinstance(value, float):
+        return key if not math.isfinite(value) else None
+    if isinstance(value, dict):
+        return next((k for name, v in value.items() if (k := _nonfinite(v, f"{key}.{name}" if key else str(name)))),
+                    None)
+    if isinstance(value, (list, tuple)):
+        return next((k for i, v in enumerate(value) if (k := _nonfinite(v, f"{key}[{i}]"))), None)
+    return None
+
+
+def _token_ids(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+
+
+def check_config_values(config, spec: str, generation_config: Path | None = None) -> None:
+    """``config.json`` holds finite numbers (a NaN ``rms_norm_eps`` gives NaN logits, found only as
+    an empty sample far downstream) and an ``eos_token_id`` inside the vocabulary (an engine would
+    never sample it, so generation could not stop); the same of ``generation_config.json``'s
+    ``eos_token_id`` where ``generation_config`` names one that exists."""
+    key = _nonfinite(config.to_dict())
+    if key is not None:
+        raise InputError(f"model {spec}: config.json's {key} is not a finite number")
+    vocab = getattr(config, "vocab_size", None)
+    sources = [("config.json", getattr(config, "eos_token_id", None))]
+    if generation_config is not None and generation_config.is_file():
+        try:
+            sources.append((generation_config.name, json.loads(generation_config.read_text()).get("eos_token_id")))
+        except (OSError, ValueError, AttributeError) as err:
+            raise InputError(f"model {spec}: {generation_config.name}: unreadable ({type(err).__name__})") from None
+    for name, eos in sources:
+        for token in _token_ids(eos):
+            if isinstance(token, bool) or not isinstance(token, int) or (vocab and not 0 <= token < vocab):
+                raise InputError(f"model {spec}: {name}'s eos_token_id {token!r} is outside the vocabulary "
+                                 f"(0..{vocab - 1 if vocab else '?'}): no engine can sample it, so generation "
+                                 f"would never stop on it")
 
 
 def check_causal_lm(config, spec: str) -> None:
@@ -81,10 +125,10 @@ def check_causal_lm(config, spec: str) -> None:
                          f"engines load (a classification or QA head is trained elsewhere)")
 
 
-def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
-    """A hub id not in the local cache needs the hub: refuse at once when it cannot be reached
-    (offline mode, or no connection within ``timeout_s``), instead of after the hub client's
-    retries (~30 s)."""
+def hub_problem(spec: str, timeout_s: float = 3.0) -> str | None:
+    """Why the hub id ``spec`` (no local directory) cannot be loaded now, or None: not in the local
+    cache and the hub unreachable (offline mode, or no connection within ``timeout_s``) -- said at
+    once, instead of after the hub client's retries (~30 s) or when a workflow's job loads it."""
     import socket
     from urllib.parse import urlparse
 
@@ -92,17 +136,17 @@ def _check_hub_reachable(spec: str, timeout_s: float = 3.0) -> None:
 
     cached = try_to_load_from_cache(spec, "config.json")
     if isinstance(cached, str):
-        return
+        return None
     if constants.HF_HUB_OFFLINE:
-        raise InputError(f"model {spec}: no such local directory, and not in the Hugging Face cache (HF_HUB_OFFLINE "
-                         f"is set)")
+        return "no such local directory, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
     url = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
                                  timeout=timeout_s).close()
     except OSError as err:
-        raise InputError(f"model {spec}: no such local directory, not in the Hugging Face cache, and the hub "
-                         f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__})") from None
+        return (f"no such local directory, not in the Hugging Face cache, and the hub ({constants.ENDPOINT}) cannot "
+                f"be reached ({type(err).__name__})")
+    return None
 
 
 def _ints(value: Any, count: int | None = None) -> bool:
@@ -138,6 +182,40 @@ def safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]] | None, s
     if 8 + length + end > size:
         return None, f"{path.name}: {size} bytes, its header needs {8 + length + end} (truncated)"
     return shapes, None
+
+
+FLOAT_EXPONENTS: dict[str, tuple[str, int]] = {
+    "BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F80_0000), "F64": ("<u8", 0x7FF0_0000_0000_0000),
+}
+"""safetensors dtype -> (the same-width unsigned integer, its exponent bits): an element with every
+exponent bit set is NaN or infinite. FP8 and integer tensors are not scanned."""
+
+SCAN_CHUNK_BYTES = 64 << 20
+"""Bytes of one tensor examined at a time by :func:`nonfinite_tensor` (bounds its temporary arrays)."""
+
+
+def nonfinite_tensor(path: Path) -> str | None:
+    """The name of the first floating-point tensor of the ``.safetensors`` file ``path`` (whose
+    header :func:`safetensors_header` accepted) that holds a NaN or an infinity, or None. The data
+    are read through a memory map, a chunk at a time, by their exponent bits (no tensor is built)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length)
+    for name, entry in header.items():
+        if name == "__metadata__" or entry["dtype"] not in FLOAT_EXPONENTS:
+            continue
+        kind, exponent = FLOAT_EXPONENTS[entry["dtype"]]
+        width = np.dtype(kind).itemsize
+        begin, end = entry["data_offsets"]
+        step = SCAN_CHUNK_BYTES - SCAN_CHUNK_BYTES % width
+        for lo in range(begin, end, step):
+            chunk = data[lo:min(end, lo + step)].view(kind)
+            if np.any((chunk & exponent) == exponent):
+                return name
+    return None
 
 
 def _safetensors_complete(path: Path) -> str | None:
@@ -220,10 +298,12 @@ def check_weights_fit(config, shapes: dict[str, tuple[int, ...]], spec: str) -> 
 
 def check_checkpoint(path: Path, spec: str, config=None) -> None:
     """Weights present (every shard an index names), whole by their safetensors headers and, with
-    ``config``, the tensors the config's model has; a tokenizer present and within the vocabulary.
-    Checked before any engine starts on them, without loading a weight."""
+    ``config``, the tensors the config's model has, every floating-point value finite
+    (:func:`nonfinite_tensor`); a tokenizer present and within the vocabulary. Checked before any
+    engine starts on them, without loading a weight into a model."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for f in _weight_files(path, spec):
+    files = _weight_files(path, spec)
+    for f in files:
         found, problem = safetensors_header(f)
         if problem:
             raise InputError(f"model {spec}: {problem}")
@@ -231,6 +311,10 @@ def check_checkpoint(path: Path, spec: str, config=None) -> None:
     check_tokenizer(path, spec, getattr(config, "vocab_size", None))
     if config is not None:
         check_weights_fit(config, shapes, spec)
+    for f in files:
+        bad = nonfinite_tensor(f)
+        if bad is not None:
+            raise InputError(f"model {spec}: tensor {bad} in {f.name} holds NaN or infinite values (damaged weights)")
 
 
 def check_token_ids(completions: list[dict[str, Any]], vocab_size: int, source: str) -> None:
@@ -240,6 +324,17 @@ def check_token_ids(completions: list[dict[str, Any]], vocab_size: int, source: 
         if bad:
             raise InputError(f"completions {source}: record seq {c['seq']} has token id {bad[0]} outside the "
                              f"model's vocabulary (0..{vocab_size - 1})")
+
+
+def check_lengths(sequences: list[tuple[str, int]], max_model_len: int, source: str, hint: str = "") -> None:
+    """Every sequence vLLM is given (``(label, tokens)``) shorter than its context ``max_model_len``:
+    vLLM samples a token after each, so one of ``max_model_len`` tokens or more is refused inside
+    the engine, after it started. ``hint``: how to give the engine a longer context."""
+    for label, tokens in sequences:
+        if tokens >= max_model_len:
+            raise InputError(f"{source}: {label} has {tokens} tokens; the engine's context (max_model_len "
+                             f"{max_model_len}) holds at most {max_model_len - 1} before the token vLLM samples"
+                             f"{hint}")
 
 
 def _nearest_existing(path: Path) -> Path:

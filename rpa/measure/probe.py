@@ -43,9 +43,10 @@ from typing import Any
 import numpy as np
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 from rpa.core.jsonfiles import atomic_path, write_json
 from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
-from rpa.measure.prompts import default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
+from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
 from rpa.measure.scoring import (
@@ -100,11 +101,15 @@ class ProbeOptions:
         for name in ("prompts", "samples", "max_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise InputError(f"probe option {name} must be >= 1, got {getattr(self, name)}")
+        if self.prompts_file is None and self.prompts > DEFAULT_PROMPTS_DISTINCT:
+            raise InputError(f"probe option prompts {self.prompts}: the built-in prompts are "
+                             f"{DEFAULT_PROMPTS_DISTINCT} distinct ones, more would repeat them (more completions: "
+                             f"--samples; more prompts: --prompts-file)")
         if self.max_tokens >= self.max_model_len:
             raise InputError(f"probe option max_tokens {self.max_tokens} leaves no room for a prompt in "
                              f"max_model_len {self.max_model_len}")
-        if not 0 <= self.seed < 2 ** 32:
-            raise InputError(f"probe option seed must be in [0, 2**32), got {self.seed}")
+        if seed_problem(self.seed):
+            raise InputError(f"probe option seed {seed_problem(self.seed)}")
         if self.full_kl_max_vocab < 0:
             raise InputError(f"probe option full_kl_max_vocab must be >= 0 (0: never), got {self.full_kl_max_vocab}")
         if self.decode_sequences is not None and (isinstance(self.decode_sequences, bool) or self.decode_sequences < 1):
@@ -114,6 +119,16 @@ class ProbeOptions:
         lo, hi = self.ratio_band
         if not 0 < lo < 1 < hi:
             raise InputError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {tuple(self.ratio_band)}")
+
+    def check_engine_bounds(self) -> None:
+        """The bounds vLLM itself sets on these options, read from vLLM (apart from ``__post_init__``:
+        importing vLLM takes seconds): ``samples`` at most its ``n`` per request
+        (:func:`rpa.sides.engine.max_n_sequences`). Checked before a probe that samples starts its engine."""
+        from rpa.sides.engine import max_n_sequences
+
+        if self.samples > max_n_sequences():
+            raise InputError(f"probe option samples {self.samples}: vLLM samples at most {max_n_sequences()} "
+                             f"completions per prompt (its VLLM_MAX_N_SEQUENCES)")
 
 
 def _log(msg: str) -> None:

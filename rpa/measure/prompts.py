@@ -17,12 +17,22 @@ from typing import Any
 from rpa.core.errors import InputError
 
 
+OPERANDS = 100
+"""The built-in prompts' operands are ``0 .. OPERANDS - 1``."""
+
+DEFAULT_PROMPTS_DISTINCT = OPERANDS ** 2 + 10 ** 2 + 2
+"""How many distinct prompts :func:`default_prompts` can give: a sum of two operands (``OPERANDS**2``),
+a sort of three digits the operands' last digits fix (``10**2``), and two fixed texts. A probe or a
+diagnosis asking for more built-in prompts than this is refused: more would only repeat them (and
+a count of 10**11 ran until memory was gone); more samples come from ``--samples`` or a prompts file."""
+
+
 def default_prompts(n: int, seed: int) -> list[str]:
     """The probe's built-in prompts (short arithmetic and counting text, for the tiny models)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        a, b = rng.randint(0, OPERANDS - 1), rng.randint(0, OPERANDS - 1)
         out.append(rng.choice([f"What is {a} + {b}? Answer:", f"sort {a % 10} {b % 10} {(a + b) % 10} ->",
                                "the number of words in this list is", "count up: 1 2 3"]))
     return out

@@ -84,6 +84,8 @@ def load_completions(path: str | Path) -> list[dict[str, Any]]:
         if missing:
             raise CompletionsError(f"{path}:{n}: missing key(s) {', '.join(sorted(missing))} "
                                    f"(records need seq, prompt_ids, completion_ids)")
+        if isinstance(c["seq"], bool) or not isinstance(c["seq"], int):
+            raise CompletionsError(f"{path}:{n}: seq must be an integer (the record's index), got {c['seq']!r}")
         if not (isinstance(c["prompt_ids"], list) and isinstance(c["completion_ids"], list)) or \
                 not (c["prompt_ids"] and c["completion_ids"]) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in c["prompt_ids"] + c["completion_ids"]):

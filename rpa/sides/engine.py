@@ -15,6 +15,26 @@ from rpa.core.regions import REGIONS, format_regions, parse_regions, region_labe
 from rpa.sides.vllm_plugin import ENV_VAR, PERTURB_ENV
 
 
+DEFAULT_MAX_MODEL_LEN = 1024
+"""vLLM's context (``max_model_len``) in :func:`make_llm` where the caller gives none; a model whose
+``max_position_embeddings`` is shorter gets that instead (:func:`engine_context`)."""
+
+
+def engine_context(config, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> int:
+    """The context an engine on a model of HF ``config`` runs with: ``max_model_len``, or the model's
+    ``max_position_embeddings`` where shorter (vLLM refuses a context past it, with a traceback)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return min(max_model_len, int(limit)) if limit else max_model_len
+
+
+def max_n_sequences() -> int:
+    """vLLM's bound on the completions of one request (``SamplingParams.n``):
+    ``vllm.envs.VLLM_MAX_N_SEQUENCES`` (16384 unless that environment variable sets another)."""
+    import vllm.envs
+
+    return int(vllm.envs.VLLM_MAX_N_SEQUENCES)
+
+
 class PluginNotActiveError(RuntimeError):
     """The vLLM engine does not run the requested alignment."""
 
@@ -151,7 +171,7 @@ def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1)
 
 
 def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: bool = False, seed: int = 0,
-             max_model_len: int = 1024, kv_cache_gib: int = 1, **llm_kwargs):
+             max_model_len: int = DEFAULT_MAX_MODEL_LEN, kv_cache_gib: int = 1, **llm_kwargs):
     """A ``vllm.LLM`` for a :class:`~rpa.core.numerics_config.NumericsConfig` (or a bare region set,
     BF16): its plugin aligns the regions, verified in every worker; dtype and LM-head dtype
     come from the configuration.

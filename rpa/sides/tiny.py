@@ -14,10 +14,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rpa.core.errors import InputError
+from rpa.core.fieldtypes import seed_problem
 
 ARCHS = ("qwen2", "qwen3", "llama")
 MIN_CONTEXT = 64
 """The smallest context a tiny model is built with: the probe's default prompts and a short completion."""
+MAX_VOCAB = 262_144
+"""The largest vocabulary a tiny model is built with: the largest of a released LM family (Gemma 3's
+262,144; Qwen3's is 151,936). The synthetic corpus gives the tokenizer ~800 tokens, so the rest are
+embedding rows no token uses; tokenizers' BPE trainer allocates a table of ``vocab_size`` entries
+up front, and at 10**11 the process aborts in Rust."""
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -72,14 +78,17 @@ class TinySpec:
             raise InputError(f"head_dim must be a multiple of 32 (vLLM CPU attention), got {self.head_dim}")
         if not 0 < self.initializer_range < float("inf") or not 0 < self.rope_theta < float("inf"):
             raise InputError("initializer_range and rope_theta must be finite and > 0")
-        if not 0 <= self.seed < 2 ** 32:
-            raise InputError(f"seed must be in [0, 2**32), got {self.seed}")
+        if seed_problem(self.seed):
+            raise InputError(f"seed {seed_problem(self.seed)}")
         if self.max_position_embeddings < MIN_CONTEXT:
             raise InputError(f"max_position_embeddings {self.max_position_embeddings} cannot hold a prompt and a "
                              f"completion; at least {MIN_CONTEXT}")
         if self.vocab_size < 300:
             raise InputError(f"vocab_size must be at least 300 (256 byte symbols + merges + specials), "
                              f"got {self.vocab_size}")
+        if self.vocab_size > MAX_VOCAB:
+            raise InputError(f"vocab_size must be at most {MAX_VOCAB} (the largest vocabulary of a released LM; "
+                             f"the tokenizer has ~800 tokens), got {self.vocab_size}")
 
 
 def synthetic_corpus(seed: int, n_lines: int = 4000) -> list[str]:
@@ -152,12 +161,32 @@ def build_config(spec: TinySpec, tokenizer):
     return config
 
 
+SPEC_FILE = "rpa_tiny.json"
+"""What :func:`build_tiny` writes last into a model directory: the spec it was built from."""
+
+
+def check_target(out_dir: str | Path) -> None:
+    """``out_dir`` can take a tiny model: not there yet, empty, or an earlier tiny model (rebuilt in
+    place, as the workflow reruns its rule); a directory of other files is refused
+    (:class:`InputError`), not written into."""
+    out = Path(out_dir)
+    if not out.is_dir() or (out / SPEC_FILE).is_file():
+        return
+    others = sorted(p.name for p in out.iterdir())
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise InputError(f"--out {out_dir}: a non-empty directory that is not a tiny model ({shown}); rpa tiny "
+                         f"writes into a new or empty directory")
+
+
 def build_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a tiny random model (Qwen2, Qwen3 or Llama), its tokenizer and ``rpa_tiny.json`` to ``out_dir``."""
+    """Write a tiny random model (Qwen2, Qwen3 or Llama), its tokenizer and ``rpa_tiny.json`` to ``out_dir``
+    (:func:`check_target`: not into a directory of other files)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     spec.validate()
+    check_target(out_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
@@ -172,5 +201,5 @@ def build_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "rpa_tiny.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    (out / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return out

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from rpa.train.collapse import CollapseThresholds
 from rpa.core.errors import UserError
-from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, typed
+from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, seed_problem, typed
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.train.tasks import SYNTHETIC, TaskError, TaskSpec
 
@@ -232,6 +232,8 @@ class TrainConfig:
                      "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if seed_problem(self.seed):
+            raise TrainConfigError(f"seed: {seed_problem(self.seed)}")
         if self.num_generations < 2:
             raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
         if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:

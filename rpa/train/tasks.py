@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rpa.core.errors import UserError, looks_like_hub_id
+from rpa.core.errors import HUB_ID_FORM, UserError, looks_like_hub_id
 from rpa.measure.prompts import render_prompt, render_rows  # noqa: F401 - a task's rows as the engines see them
 
 TASKS = ("synthetic-add", "count", "walk", "eos-sanity", "gsm8k", "math")
@@ -107,7 +107,7 @@ class TaskSpec:
             if missing:
                 raise TaskError(f"data_files: no such file(s): {', '.join(map(str, missing))}")
         elif not Path(self.path).expanduser().exists() and not looks_like_hub_id(self.path):
-            raise TaskError(f"path {self.path!r}: no such file or directory, and not a hub id of the form 'org/name'")
+            raise TaskError(f"path {self.path!r}: no such file or directory, and not {HUB_ID_FORM}")
 
 
 # ----------------------------------------------------------------------- synthetic

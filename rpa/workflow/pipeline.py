@@ -49,23 +49,37 @@ def _tiny_problem(spec: Any) -> str | None:
 
 def _path_model_problem(path: Any) -> str | None:
     """Why a ``models.<name>.path`` entry cannot be used, checked at parse time from its
-    ``config.json`` (no weights read): a local directory that is not there or not a checkpoint, or a
-    family the aligned regions do not cover. A hub id is checked where it is loaded."""
-    from rpa.core.errors import UserError, looks_like_hub_id
+    ``config.json`` (no weights read): a local directory that is not there or not a checkpoint, a
+    hub id (a relative path ``models/mine`` that is not there reads as one) the cache does not hold
+    in offline mode (:func:`rpa.measure.inputs.hub_problem`) or the hub does not serve, or a family the
+    aligned regions do not cover. A hub id the hub cannot be reached for from here (no connection,
+    offline mode unset) is left to the job that loads it, which may run where the hub can be reached
+    (and refuses it in one line where it cannot)."""
+    from rpa.core.errors import HUB_ID_FORM, UserError, looks_like_hub_id
 
     if not isinstance(path, str) or not path:
         return f"must be a local directory or a hub id, got {path!r}"
     local = Path(path).expanduser()
     if not local.exists():
-        return None if looks_like_hub_id(path) else f"{path}: no such directory, and not a hub id of the form org/name"
-    if not (local / "config.json").is_file():
+        if not looks_like_hub_id(path):
+            return f"{path}: no such directory, and not {HUB_ID_FORM}"
+        from huggingface_hub import constants
+
+        from rpa.measure.inputs import hub_problem
+
+        problem = hub_problem(path)
+        if problem and constants.HF_HUB_OFFLINE:
+            return f"{path}: {problem}"
+        if problem:
+            return None  # no connection from here: checked by the job (rpa.measure.inputs.check_model)
+    elif not (local / "config.json").is_file():
         return f"{path}: a directory without config.json (not a Hugging Face checkpoint)"
     try:
         from transformers import AutoConfig
 
         from rpa.sides.trainer import check_config as check_family
 
-        check_family(AutoConfig.from_pretrained(str(local)))
+        check_family(AutoConfig.from_pretrained(str(local) if local.exists() else path))
     except UserError as err:
         return f"{path}: {err}"
     except (OSError, ValueError) as err:
