@@ -49,3 +49,20 @@ def test_a_missing_folder_is_refused_in_one_line_and_nothing_is_written(tmp_path
         main(["--runs", str(tmp_path / "new"), "--reference", str(tmp_path / "nope"), "--out", str(tmp_path / "c.json")])
     assert stop.value.code == 2 and f"{tmp_path / 'nope'} is not a folder" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_provenance_names_the_cpu_type_its_bf16_bits_depend_on(tmp_path):
+    """Every result's provenance records the CPU type (vendor, model, the BF16/FP16 instruction-set
+    features kernels are chosen by): runs reproduce bitwise only within one type, so a comparison must be
+    able to tell (issue 56: one CPU type for every run of the comparison)."""
+    from rpa.core.provenance import CPU_FEATURES, cpu_info, provenance
+
+    info = cpu_info()
+    assert set(info) == {"vendor", "model", "cores", "features"} and set(info["features"]) <= set(CPU_FEATURES)
+    flags = set()
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        pass
+    assert info["features"] == [f for f in CPU_FEATURES if f in flags]
+    assert provenance()["cpu"] == info

