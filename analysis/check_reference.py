@@ -34,7 +34,7 @@ from rpa.core.jsonfiles import atomic_path
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "results" / "reference"
 
-CONFIGS = {"main": "config.yaml", "cpu": "toys.yaml", "study-cpu": "study-cpu.yaml",
+CONFIGS = {"main": "config.yaml", "main-xeon-amx": "config.yaml", "cpu": "toys.yaml", "study-cpu": "study-cpu.yaml",
            "collapse-cpu": "collapse-cpu.yaml", "collapse-smollm2": "collapse-smollm2.yaml"}
 """Reference folder -> the config under ``experiments/`` whose run it holds (each folder's README says so)."""
 

@@ -29,7 +29,9 @@ import csv
 import json
 import shutil
 from pathlib import Path
-from rpa.core.jsonfiles import read_jsonl, write_text
+
+from rpa.core.jsonfiles import read_jsonl, write_json, write_text
+from rpa.core.provenance import cpu_info, cpu_type
 
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
@@ -118,6 +120,36 @@ def export_pipeline(results: Path, out: Path) -> int:
     return len(reports) + len(probes) + len(diagnoses) + len(attributions)
 
 
+def write_machine(out: Path) -> dict:
+    """``machine.json``: the CPU type the exported results were made on (:func:`rpa.core.provenance.cpu_info`,
+    as each exported ``summary.json`` records it in its provenance), which :mod:`analysis.check_tables`
+    compares a fresh run's CPU with. Results of more than one CPU type in one reference are refused: BF16
+    bits differ between them. Where no exported result records a CPU (made before provenance did), the
+    exporting machine's is written and ``source`` says so."""
+    recorded, unrecorded = {}, 0
+    for summary in sorted(out.rglob("summary.json")):
+        try:
+            cpu = (json.loads(summary.read_text()).get("provenance") or {}).get("cpu")
+        except ValueError:
+            cpu = None
+        if cpu:
+            recorded.setdefault(cpu_type(cpu), cpu)
+        else:
+            unrecorded += 1
+    if len(recorded) > 1:
+        raise SystemExit(f"export: {out} would hold results of {len(recorded)} CPU types "
+                         f"({'; '.join(str(c) for c in recorded.values())}); BF16 bits differ between them: "
+                         "export each type into a reference of its own")
+    if recorded:
+        machine = {"cpu": next(iter(recorded.values())), "source": "the results' provenance",
+                   "results_without_cpu": unrecorded}
+    else:
+        machine = {"cpu": cpu_info(), "source": "the exporting machine (no exported result records its CPU)",
+                   "results_without_cpu": unrecorded}
+    write_json(out / "machine.json", machine)
+    return machine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
@@ -129,6 +161,7 @@ def main() -> None:
         if not cells:
             raise SystemExit(f"export: no parity, probe or diagnosis under {args.results}")
         _copy_outputs(args)
+        write_machine(args.out)
         print(f"export: {cells} parity reports, probes and diagnoses -> {args.out}")
         return
     runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json")
@@ -155,6 +188,7 @@ def main() -> None:
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
             copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results))
     _copy_outputs(args)
+    write_machine(args.out)
     print(f"export: {len(runs)} runs, {records} job records -> {args.out}")
 
 

@@ -166,6 +166,7 @@ def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
         assert_figure(res / f"figures/{name}.png")
     again = snakemake("--cores", "2", "--configfile", str(cfg))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
+    _fresh_run_equals_its_reference_cell_by_cell(res, tmp_path / "reference")
     # the Snakemake report of the main job: every table and figure, with its caption
     report = tmp_path / "report.html"
     made = snakemake("--report", str(report), "--configfile", str(cfg))
@@ -175,6 +176,35 @@ def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
                  "Per-layer divergence", "Probe table"):
         assert name in html, name
     assert "Undefined substitution" not in made.stderr
+
+
+def _fresh_run_equals_its_reference_cell_by_cell(res, ref):
+    """analysis.check_tables on the tiny gate models' real tables (issue 55): a run exported as a reference
+    equals itself; one cell changed in the reference's probe table is named (exit 1); a reference made on
+    another CPU type is refused (exit 2) unless --any-cpu."""
+    import json
+
+    from analysis import check_tables
+
+    proc = subprocess.run([sys.executable, "-m", "analysis.export_reference", "--results", str(res), "--out",
+                           str(ref), "--what", "pipeline"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = ["--results", str(res), "--reference", str(ref)]
+    assert check_tables.main(argv) == 0
+    table = ref / "tables/probe.csv"
+    lines = table.read_text().splitlines()
+    header, row = lines[0].split(","), lines[2].split(",")  # the second row: tiny-qwen3/all
+    col = header.index("mean_abs_dlogp")
+    row[col] = repr(float(row[col]) * (1 + 1e-12))
+    table.write_text("\n".join([*lines[:2], ",".join(row), *lines[3:]]) + "\n")
+    diffs = check_tables.compare_table(table, res / "tables/probe.csv")
+    assert diffs == [f"probe.csv: row {row[0]}/{row[1]} column mean_abs_dlogp: reference {row[col]}, "
+                     f"fresh {lines[2].split(',')[col]}"], diffs
+    assert check_tables.main(argv) == 1
+    machine = json.loads((ref / "machine.json").read_text())
+    machine["cpu"]["features"] = [f for f in machine["cpu"]["features"] if f != "avx2"] + ["other_isa"]
+    (ref / "machine.json").write_text(json.dumps(machine))
+    assert check_tables.main(argv) == 2 and check_tables.main([*argv, "--any-cpu"]) == 1
 
 
 def test_lock_checker_finds_conflicts_and_missing_pins():
@@ -297,3 +327,28 @@ def test_the_committed_probe_pipeline_regenerates_and_its_export_round_trips(tmp
         assert files and files == sorted(p.relative_to(tmp_path) for p in (tmp_path / folder).rglob("*") if p.is_file())
         _, mismatch, errors = filecmp.cmpfiles(ref, tmp_path, [str(f) for f in files], shallow=False)
         assert not mismatch and not errors, (mismatch, errors)
+
+
+@pytest.mark.parametrize("name", ["main", "main-xeon-amx"])
+def test_each_main_reference_names_its_cpu_type_and_quotes_its_own_probe(name):
+    """A main-job reference is one CPU type's (issue 55): ``machine.json`` names it, and the numbers its
+    README and the top README quote for it are its own probe table's (the AMD and the Xeon references'
+    BF16 numbers differ)."""
+    import json
+    import re
+
+    import pandas as pd
+
+    ref = REPO / "results/reference" / name
+    cpu = json.loads((ref / "machine.json").read_text())["cpu"]
+    assert cpu["vendor"] in ("AuthenticAMD", "GenuineIntel") and "avx512_bf16" in cpu["features"]
+    probe = pd.read_csv(ref / "tables/probe.csv")
+    smol = probe[probe.model == "smollm2"].set_index("config")
+    prose = lambda path: re.sub(r"\s+", " ", path.read_text()).replace("\u2212", "-")  # noqa: E731
+    readme, top = prose(ref / "README.md"), prose(REPO / "README.md")
+    change = lambda c: "{:+.1f}% [{:+.1f}, {:+.1f}]".format(  # noqa: E731
+        *(100 * smol.loc[c, k] for k in ("mean_abs_dlogp_change", "mean_abs_dlogp_low", "mean_abs_dlogp_high")))
+    for config in ("all", "all+attention-fp32"):
+        assert change(config).replace("+", "") in readme.replace("+", ""), (name, config, change(config))
+        assert change(config).replace("+", "") in top.replace("+", ""), (name, config, change(config))
+    assert f"{smol.loc['none', 'mean_abs_dlogp']:.3g}" in readme

@@ -64,6 +64,12 @@ def cpu_info() -> dict[str, Any]:
     return info
 
 
+def cpu_type(info: dict[str, Any] | None) -> tuple | None:
+    """What makes two CPUs round BF16 alike, from :func:`cpu_info`: the vendor and the features (not the
+    model string or the core count); None for an unrecorded CPU."""
+    return None if not info else (info.get("vendor"), tuple(info.get("features") or ()))
+
+
 MODEL_NOTES = ("rpa_source.json", "rpa_tiny.json", "rpa_init.json")
 """What rpa writes into a checkpoint it makes: a conversion's source (``rpa convert``: package,
 version, sha256, tensor types, dequantized), a tiny model's spec, a warm start's source model."""

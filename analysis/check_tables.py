@@ -1,0 +1,109 @@
+"""Compare the tables of a fresh pipeline run with a committed reference's, cell by cell.
+
+    make main
+    python -m analysis.check_tables --results results/cpu --reference results/reference/main
+
+:mod:`analysis.check_reference` asks whether the committed tables follow from the committed raw
+results; this asks whether running the job again gives the committed numbers. Every table the
+reference commits (``tables/*.csv``) must exist in the fresh run with the same columns and rows, and
+every cell must be the same text as written (no tolerance: the tables are written with fixed
+formatting, so equal numbers are equal text). The ``.md`` tables are compared byte for byte. Each
+difference is printed as ``table: row <key> column <name>: reference <a>, fresh <b>``; exit status 1
+if any differs, 2 if nothing could be compared.
+
+BF16 bits depend on the CPU's kernels, so a fresh run equals the reference only on the CPU type
+that made it (:func:`rpa.core.provenance.cpu_type`: vendor and BF16/FP16 instruction-set features):
+the reference's ``machine.json`` (written by :mod:`analysis.export_reference`) names it, and a run on
+another CPU type is refused (exit 2) unless ``--any-cpu`` is given, in which case the differences are
+printed as what they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from rpa.core.provenance import cpu_info, cpu_type
+
+MACHINE = "machine.json"
+"""A reference folder's record of the machine its run was made on (:func:`rpa.core.provenance.cpu_info`)."""
+KEY_COLUMNS = 2
+"""Columns that label a row in the printed differences (the model and the configuration, etc.)."""
+
+
+def _rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    return (rows[0], rows[1:]) if rows else ([], [])
+
+
+def compare_table(reference: Path, fresh: Path) -> list[str]:
+    """The differing cells of one CSV table (one line each, the table's name first). Rows are matched by
+    their first :data:`KEY_COLUMNS` cells (model, configuration, ...); a row only one side has is listed."""
+    name = reference.name
+    if not fresh.exists():
+        return [f"{name}: missing from the fresh run"]
+    ref_cols, ref_rows = _rows(reference)
+    new_cols, new_rows = _rows(fresh)
+    if ref_cols != new_cols:
+        return [f"{name}: columns differ: reference {ref_cols}, fresh {new_cols}"]
+    key = lambda row: "/".join(row[:KEY_COLUMNS])  # noqa: E731
+    ref_by, new_by = {key(r): r for r in ref_rows}, {key(r): r for r in new_rows}
+    out = [f"{name}: row {k} only in the reference" for k in ref_by if k not in new_by]
+    out += [f"{name}: row {k} only in the fresh run" for k in new_by if k not in ref_by]
+    for k, a in ref_by.items():
+        if k in new_by:
+            out += [f"{name}: row {k} column {col}: reference {x}, fresh {y}"
+                    for col, x, y in zip(ref_cols, a, new_by[k]) if x != y]
+    return out
+
+
+def compare(reference: Path, results: Path) -> tuple[int, list[str]]:
+    """(tables compared, differences) between ``reference/tables`` and ``results/tables``."""
+    tables = sorted(p for p in (reference / "tables").glob("*") if p.suffix in (".csv", ".md"))
+    diffs: list[str] = []
+    for table in tables:
+        fresh = results / "tables" / table.name
+        if table.suffix == ".csv":
+            diffs += compare_table(table, fresh)
+        elif not fresh.exists():
+            diffs.append(f"{table.name}: missing from the fresh run")
+        elif fresh.read_bytes() != table.read_bytes():
+            diffs.append(f"{table.name}: differs (its CSV's cells are listed above)")
+    return len(tables), diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", required=True, type=Path, help="the fresh run's results folder")
+    parser.add_argument("--reference", required=True, type=Path, help="a committed reference folder")
+    parser.add_argument("--any-cpu", action="store_true",
+                        help="compare even where this CPU type is not the reference's (differences expected)")
+    args = parser.parse_args(argv)
+    for path in (args.results / "tables", args.reference / "tables"):
+        if not path.is_dir():
+            parser.error(f"{path}: no such folder")
+    machine = args.reference / MACHINE
+    made_on = json.loads(machine.read_text()).get("cpu") if machine.exists() else None
+    here = cpu_info()
+    if cpu_type(made_on) != cpu_type(here) and not args.any_cpu:
+        print(f"check_tables: the reference was made on {made_on or 'an unrecorded CPU'} ({machine}); this is "
+              f"{here}: BF16 bits differ between CPU types, so compare on the reference's CPU type "
+              f"(or pass --any-cpu to list the differences anyway)", file=sys.stderr)
+        return 2
+    count, diffs = compare(args.reference, args.results)
+    if not count:
+        print(f"check_tables: {args.reference / 'tables'} holds no table", file=sys.stderr)
+        return 2
+    for line in diffs:
+        print(line)
+    print(f"check_tables: {count} tables, {len(diffs)} difference{'s' if len(diffs) != 1 else ''}"
+          + ("" if cpu_type(made_on) == cpu_type(here) else f" (made on {made_on}, compared on {here})"))
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
