@@ -118,3 +118,48 @@ def test_the_per_row_bits_benchmark_runs_and_finds_the_tiny_models_rows_equal(ti
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["head_rows"] for r in rows] == [2, 1]
     assert all(r["tokens"] > 0 and r["bitwise_equal"] == r["tokens"] for r in rows), rows
+
+
+def test_aligned_full_training_forward_of_a_sequence_does_not_depend_on_its_padding(tiny_dirs):
+    """``aligned-full`` (issue 56): the three regions and the trainer's attention in FP32 on FP32 masters
+    with BF16 compute, scored ``per_row``: a sequence's log-probs and entropies are the same bits whatever
+    the batch around it and however much left padding its prompt gets. The control: the padded forward of
+    the same batches with HF's stock positions (shifted by the left padding) does depend on it. (Whether
+    the padded forward with positions from the mask depends on it is the CPU's sdpa kernel's business: on
+    the AMD EPYC it does, ~0.02 of mismatch on SmolLM2; on the tiny model on a Xeon with AMX it did not.)"""
+    from transformers import AutoModelForCausalLM
+
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.measure.scoring import token_logps_and_entropy, token_logps_and_entropy_per_row
+    from rpa.sides.trainer import align_for
+
+    config = NumericsConfig.from_dict({"regions": "all", "trainer_attention": "fp32", "trainer_positions": "mask"})
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32, attn_implementation="sdpa")
+    align_for(config, model)
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, 500, (6 + 5,), generator=gen)  # a 6-token prompt, 5 completion tokens
+    completion = 8
+
+    def batch(left: int, others: int):
+        """The sequence as row 0, its prompt left-padded by ``left``, beside ``others`` random rows."""
+        prompt_len = 6 + left
+        rows = torch.randint(3, 500, (1 + others, prompt_len + completion), generator=gen)
+        mask = torch.ones_like(rows)
+        rows[0, left:prompt_len + 5] = seq
+        mask[0, :left] = 0
+        mask[0, prompt_len + 5:] = 0  # its completion is 5 of the 8 positions
+        return rows, mask
+
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32, attn_implementation="sdpa")
+    align_for(NumericsConfig.from_dict({"regions": "all", "trainer_attention": "fp32",
+                                        "trainer_positions": "stock"}), stock)
+    got, padded = [], []
+    for left, others in ((0, 1), (7, 3), (19, 2)):
+        ids, mask = batch(left, others)
+        logps, ent = token_logps_and_entropy_per_row(model, ids, mask, completion, compute_entropy=True)
+        got.append((logps[0, :5].detach(), ent[0, :5].detach()))
+        with torch.no_grad():
+            padded.append(token_logps_and_entropy(stock, ids, mask, completion)[0][0, :5])
+    for logps, ent in got[1:]:
+        assert torch.equal(logps, got[0][0]) and torch.equal(ent, got[0][1])
+    assert not any(torch.equal(p, padded[0]) for p in padded[1:])  # control: a forward that sees the padding
