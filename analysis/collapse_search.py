@@ -683,6 +683,58 @@ def _outcome(runs: pd.DataFrame, outcome: str) -> pd.Series:
     return runs["reward_auc"] if outcome == "reward_auc" else runs["reward_auc"] - runs["step1_reward"]
 
 
+def contrast_weights(c: dict) -> dict[str, float]:
+    """A comparison's arms and weights per seed: ``contrast: {arm: weight}`` as written, or ``a`` (an arm, or
+    a list pooled as their mean: weight 1/len each) minus ``b`` (weight -1)."""
+    if "contrast" in c:
+        return {str(k): float(v) for k, v in c["contrast"].items()}
+    a = list(c["a"]) if isinstance(c["a"], (list, tuple)) else [c["a"]]
+    return {**{x: 1 / len(a) for x in a}, c["b"]: -1.0}
+
+
+def paired_contrast(done: pd.DataFrame, curves: pd.DataFrame, c: dict, arm: str, confidence: float) -> dict | None:
+    """One paired comparison of finished runs: per seed the weighted sum of the arms' outcomes
+    (:func:`contrast_weights`; seeds where every arm finished), its mean, how many seeds are below 0, the
+    exact signed-rank p and the Hodges-Lehmann interval; with per-step curves, the same contrast of the raw
+    training reward per logged step (mean over seeds). None where an arm has no finished run."""
+    weights, outcome = contrast_weights(c), c.get("outcome", "reward_auc")
+    table = done.assign(_v=_outcome(done, outcome)).pivot_table(index="seed", columns=arm, values="_v",
+                                                                aggfunc="first")
+    if not all(x in table for x in weights):
+        return None
+    pairs = table[list(weights)].dropna()
+    diff = sum(pairs[x] * w for x, w in weights.items()).tolist() if len(pairs) else []
+    entry = {"contrast": weights, "outcome": outcome, "pairs": len(diff),
+             "mean_difference": float(np.mean(diff)) if diff else None, "a_lower": int(sum(x < 0 for x in diff)),
+             "signed_rank_p": signed_rank_p(diff), "shift": signed_rank_interval(diff, confidence)}
+    if "contrast" not in c:
+        entry.update(a=[x for x, w in weights.items() if w > 0], b=c["b"])
+    if len(curves) and "reward" in curves:
+        per = curves[curves[arm].isin(list(weights))].pivot_table(index=["seed", "step"], columns=arm,
+                                                                   values="reward", aggfunc="first").dropna()
+        if len(per):
+            gap = sum(per[x] * w for x, w in weights.items()).groupby(level="step").mean()
+            entry["reward_gap_by_step"] = {int(k): float(v) for k, v in gap.items()}
+    return entry
+
+
+def effects(runs: pd.DataFrame, curves: pd.DataFrame, rule: dict) -> dict:
+    """The pre-registered paired effects of a factorial grid (``decision.effects``: each a ``contrast`` of
+    arms on the rule's ``outcome``), computed as :func:`paired_contrast`; ``incomplete`` while any run is
+    unfinished (no effect is read from part of the grid)."""
+    arm, confidence = rule.get("arm_axis", "arm"), rule.get("confidence", 0.95)
+    unfinished = int((runs["state"] != "finished").sum())
+    out = {"outcome": rule.get("outcome", "learning_gain"), "unfinished": unfinished, "effects": {}}
+    if unfinished:
+        return out
+    done = runs[runs["state"] == "finished"]
+    for name, e in (rule.get("effects") or {}).items():
+        entry = paired_contrast(done, curves, {"contrast": e["contrast"], "outcome": out["outcome"]}, arm, confidence)
+        if entry is not None:
+            out["effects"][name] = {"question": e.get("question", name), **entry}
+    return out
+
+
 def post_hoc(runs: pd.DataFrame, curves: pd.DataFrame, spec: dict, rule: dict) -> dict:
     """What the grid's data say beyond its registered questions, each item labelled post hoc: the
     comparisons of ``spec["comparisons"]`` (config ``post_hoc``, written after the grid ran: ``a`` an arm or a
@@ -697,23 +749,9 @@ def post_hoc(runs: pd.DataFrame, curves: pd.DataFrame, spec: dict, rule: dict) -
     done = runs[runs["state"] == "finished"]
     out: dict = {"comparisons": {}, "arms": {}}
     for name, c in (spec.get("comparisons") or {}).items():
-        a = list(c["a"]) if isinstance(c["a"], (list, tuple)) else [c["a"]]
-        b, outcome = c["b"], c.get("outcome", "reward_auc")
-        table = done.assign(_v=_outcome(done, outcome)).pivot_table(index="seed", columns=arm, values="_v",
-                                                                    aggfunc="first")
-        if not all(x in table for x in [*a, b]):
-            continue
-        pairs = table[[*a, b]].dropna()
-        diff = (pairs[a].mean(axis=1) - pairs[b]).tolist()
-        entry = {"a": a, "b": b, "outcome": outcome, "pairs": len(diff),
-                 "mean_difference": float(np.mean(diff)) if diff else None, "a_lower": int(sum(x < 0 for x in diff)),
-                 "signed_rank_p": signed_rank_p(diff), "shift": signed_rank_interval(diff, confidence)}
-        if len(curves) and "reward" in curves:
-            per = curves[curves[arm].isin([*a, b])].pivot_table(index=["seed", "step"], columns=arm, values="reward",
-                                                                aggfunc="first").dropna()
-            gap = (per[a].mean(axis=1) - per[b]).groupby(level="step").mean()
-            entry["reward_gap_by_step"] = {int(k): float(v) for k, v in gap.items()}
-        out["comparisons"][name] = entry
+        entry = paired_contrast(done, curves, c, arm, confidence)
+        if entry is not None:
+            out["comparisons"][name] = entry
     for name, g in done.groupby(arm, sort=False):
         evals = g["first_eval_accuracy"].dropna() if "first_eval_accuracy" in g else pd.Series(dtype=float)
         prompts = g["first_eval_prompts"].dropna() if "first_eval_prompts" in g else pd.Series(dtype=float)
@@ -731,6 +769,33 @@ def post_hoc(runs: pd.DataFrame, curves: pd.DataFrame, spec: dict, rule: dict) -
     return out
 
 
+def contrast_text(c: dict) -> str:
+    """A comparison as written: ```a` + `b` (mean) - `c``` for ``a``/``b``, else the weighted arms."""
+    if "a" in c:
+        return (f"{' + '.join(f'`{x}`' for x in c['a'])}{' (mean)' if len(c['a']) > 1 else ''} - `{c['b']}`")
+    return " ".join(f"{'+' if w > 0 else '-'} {'' if abs(w) == 1 else f'{abs(w):g} '}`{arm}`"
+                    for arm, w in c["contrast"].items()).lstrip("+ ")
+
+
+def _effects_markdown(eff: dict) -> str:
+    """The pre-registered effects of a factorial grid (``decision.effects``), one row each."""
+    text = (f"### Pre-registered effects (outcome: {eff['outcome']})\n\n")
+    if eff.get("unfinished"):
+        return text + f"The grid is incomplete ({eff['unfinished']} runs unfinished): no effect is read from part of it.\n"
+    text += ("Per seed the contrast of the arms' outcomes; exact two-sided signed-rank test (zero differences "
+             "dropped, from the p and the interval alike) and the Hodges-Lehmann shift with the exact interval "
+             "that inverts it.\n\n| effect | contrast | pairs | mean | below 0 | signed-rank p | Hodges-Lehmann "
+             "shift, exact interval (coverage) |\n|:--|:--|--:|--:|--:|--:|:--|\n")
+    for name, e in eff["effects"].items():
+        sh = e["shift"]
+        shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
+                                      f"({100 * sh['coverage']:.1f}%)")
+        p = "--" if e["signed_rank_p"] is None else f"{e['signed_rank_p']:.2g}"
+        text += (f"| {name}: {e['question']} | {contrast_text(e)} | {e['pairs']} | {e['mean_difference']:+.3f} | "
+                 f"{e['a_lower']} of {e['pairs']} | {p} | {shift} |\n")
+    return text
+
+
 def _post_hoc_markdown(ph: dict) -> str:
     """The post-hoc section of the grid's table: labelled as such, apart from the registered questions."""
     text = ("### Post hoc (not pre-registered)\n\nWritten after the grid ran (config `post_hoc`); exploratory, "
@@ -743,9 +808,8 @@ def _post_hoc_markdown(ph: dict) -> str:
         shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
                                       f"({100 * sh['coverage']:.1f}%)")
         p = "--" if c["signed_rank_p"] is None else f"{c['signed_rank_p']:.2g}"
-        text += (f"| {name} | {' + '.join(f'`{x}`' for x in c['a'])}{' (mean)' if len(c['a']) > 1 else ''} - "
-                 f"`{c['b']}` | {c['outcome']} | {c['pairs']} | {c['mean_difference']:+.3f} | {c['a_lower']} of "
-                 f"{c['pairs']} | {p} | {shift} |\n")
+        text += (f"| {name} | {contrast_text(c)} | {c['outcome']} | {c['pairs']} | {c['mean_difference']:+.3f} | "
+                 f"{c['a_lower']} of {c['pairs']} | {p} | {shift} |\n")
     for name, c in ph["comparisons"].items():
         if c.get("reward_gap_by_step"):
             text += (f"\n{name}: raw training reward a - b by logged step, mean over seeds: "
@@ -954,6 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
                            envelope=envelope(runs, rule, manifest))
             if rule.get("questions"):
                 summary["questions"] = questions(runs, rule)
+            if rule.get("effects"):
+                summary["effects"] = effects(runs, curves, rule)
             if manifest.get("post_hoc") and not summary["decision"].get("unfinished"):
                 summary["post_hoc"] = post_hoc(runs, curves, manifest["post_hoc"], rule)
         sens = sensitivity_groups(runs, axes)
@@ -1005,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         table.to_csv(tmp, index=False)
     write_text(Path(f"{stem}.md"), text + shown.to_markdown(index=False, floatfmt=".3g") + "\n"
                                   + ("\n" + _sensitivity_markdown(sens, axes) if args.stage != "pilot" else "")
+                                  + ("\n" + _effects_markdown(summary["effects"]) if "effects" in summary else "")
                                   + ("\n" + _post_hoc_markdown(summary["post_hoc"]) if "post_hoc" in summary else "")
                                   + ("\n### Runs\n\n" + runs.to_markdown(index=False, floatfmt=".3g") + "\n"
                                      if args.stage != "pilot" else ""))

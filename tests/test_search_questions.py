@@ -243,3 +243,45 @@ def test_a_zero_difference_is_dropped_from_the_test_and_its_interval_alike():
     assert with_zero["pairs"] == 7 and with_zero["zeros"] == 1 and without["zeros"] == 0
     assert signed_rank_p(d) == signed_rank_p([x for x in d if x != 0])
     assert signed_rank_interval([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])["zeros"] == 0
+
+
+def test_pre_registered_effects_are_contrasts_of_arms_paired_by_seed():
+    """A 2x2's effects (``decision.effects``, issue 56): per seed the weighted sum of the arms' outcomes
+    (learning gain: reward AUC minus the run's own step-1 reward), tested as the questions' AUCs are; the
+    interaction is the difference of the two simple effects; nothing is read while a run is unfinished."""
+    from analysis.collapse_search import effects
+
+    rows = []
+    for seed in range(8):
+        gains = {"fp32": 0.3, "trainer-fp32": 0.3 - 0.05 - seed / 1000, "none": 0.2 - seed / 1000,
+                 "aligned-full": 0.25}
+        for arm, gain in gains.items():
+            rows.append({"arm": arm, "seed": seed, "state": "finished", "reward_auc": gain + 0.1, "step1_reward": 0.1})
+    rule = {"arm_axis": "arm", "outcome": "learning_gain", "effects": {
+        "mismatch_at_fp32": {"question": "q1", "contrast": {"trainer-fp32": 1, "fp32": -1}},
+        "arithmetic_at_mismatch": {"contrast": {"none": 1, "trainer-fp32": -1}},
+        "interaction": {"contrast": {"none": 1, "aligned-full": -1, "trainer-fp32": -1, "fp32": 1}}}}
+    out = effects(pd.DataFrame(rows), pd.DataFrame(), rule)
+    e = out["effects"]
+    assert e["mismatch_at_fp32"]["mean_difference"] == pytest.approx(-0.05 - 0.0035)
+    assert e["mismatch_at_fp32"]["a_lower"] == 8 and e["mismatch_at_fp32"]["signed_rank_p"] == pytest.approx(2 / 256)
+    assert e["arithmetic_at_mismatch"]["mean_difference"] == pytest.approx(-0.05)
+    # (none - aligned-full) - (trainer-fp32 - fp32) = (-0.05 - s) - (-0.05 - s) = 0 for every seed
+    assert e["interaction"]["mean_difference"] == pytest.approx(0.0, abs=1e-12)
+    assert e["mismatch_at_fp32"]["question"] == "q1"
+    rows[0]["state"] = "running"
+    assert effects(pd.DataFrame(rows), pd.DataFrame(), rule)["effects"] == {}
+
+
+def test_a_contrast_whose_weights_do_not_sum_to_zero_or_name_no_arm_is_refused():
+    from rpa.workflow.pipeline import check_config
+    import yaml
+
+    from tests.conftest import REPO
+
+    config = yaml.safe_load((REPO / "experiments/collapse-smollm2.yaml").read_text())
+    config["search"]["decision"]["effects"] = {"bad": {"contrast": {"none": 1, "fp32": -2}},
+                                               "ghost": {"contrast": {"none": 1, "nope": -1}}}
+    with pytest.raises(Exception) as err:
+        check_config(config)
+    assert "weights sum to -1" in str(err.value) and "'nope' is not a label" in str(err.value)

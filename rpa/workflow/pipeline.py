@@ -446,6 +446,13 @@ def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
     for name, q in (rule.get("questions") or {}).items() if "grid" in (search.get("stages") or {}) else ():
         problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
+    for name, e in (rule.get("effects") or {}).items():
+        weights = e.get("contrast") or {}
+        problems += [f"search.decision.effects.{name}: {arm!r} is not a label of the grid's "
+                     f"{rule.get('arm_axis')!r} axis" for arm in weights if arm not in arms]
+        if abs(sum(weights.values())) > 1e-9:
+            problems.append(f"search.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
+                            "not 0 (an effect compares arms)")
     for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
         named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
         problems += [f"search.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
