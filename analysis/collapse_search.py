@@ -50,6 +50,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.runs import flags, load_run  # noqa: E402
+from rpa.core.provenance import cpu_type  # noqa: E402
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import (ABSORBING_MAX_REWARD, ABSORBING_MAX_REWARD_STD, RULE_VERSION,  # noqa: E402
                                  TERMINAL_STEPS, CollapseThresholds, sensitivity_settings)
@@ -110,6 +111,9 @@ def load_runs(results: Path, manifest: dict, reward_steps: int = 3,
         row = {**c["labels"], "seed": c["seed"], "cell": c["cell"], "state": run.state}
         if run.summary is not None:
             row.update(status=run.status, wall_s=run.summary.get("wall_s"))
+            cpu = (run.summary.get("provenance") or {}).get("cpu")
+            if cpu:  # the CPU type the run was made on (older runs record none: no column)
+                row["cpu_type"] = "{} {}".format(*cpu_type(cpu)[:1], "+".join(cpu_type(cpu)[1]))
         if run.judged:
             cfg, v = run.config, run.verdict
             row.update({f"config_{k}": cfg.get(k) for k in RUN_SETTINGS})
@@ -728,6 +732,11 @@ def effects(runs: pd.DataFrame, curves: pd.DataFrame, rule: dict) -> dict:
     if unfinished:
         return out
     done = runs[runs["state"] == "finished"]
+    types = sorted(done["cpu_type"].dropna().unique()) if "cpu_type" in done else []
+    if len(types) > 1:  # BF16 bits differ between CPU types: arms compared across them are not comparable
+        out["refused"] = f"the runs were made on {len(types)} CPU types ({'; '.join(types)}); compare within one"
+        return out
+    out["cpu_type"] = types[0] if types else None
     for name, e in (rule.get("effects") or {}).items():
         entry = paired_contrast(done, curves, {"contrast": e["contrast"], "outcome": out["outcome"]}, arm, confidence)
         if entry is not None:
@@ -782,6 +791,8 @@ def _effects_markdown(eff: dict) -> str:
     text = (f"### Pre-registered effects (outcome: {eff['outcome']})\n\n")
     if eff.get("unfinished"):
         return text + f"The grid is incomplete ({eff['unfinished']} runs unfinished): no effect is read from part of it.\n"
+    if eff.get("refused"):
+        return text + f"Not computed: {eff['refused']}.\n"
     text += ("Per seed the contrast of the arms' outcomes; exact two-sided signed-rank test (zero differences "
              "dropped, from the p and the interval alike) and the Hodges-Lehmann shift with the exact interval "
              "that inverts it.\n\n| effect | contrast | pairs | mean | below 0 | signed-rank p | Hodges-Lehmann "
