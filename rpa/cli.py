@@ -191,8 +191,9 @@ def _cmd_attribute(args: argparse.Namespace, checked: Checked) -> int:
                         replace=args.replace)
     base = s["rungs"]["trainer"]["mean_abs_dlogp"]
     for rung, r in s["rungs"].items():
-        print(f"  {rung:20s} mean|dlogp|={r['mean_abs_dlogp']:.4g} ({100 * (r['mean_abs_dlogp'] / base - 1):+.1f}% vs "
-              f"trainer) bitwise={r['frac_bitwise_equal']:.3f}")
+        # a trainer already bitwise equal to vLLM (base 0) has no relative change to print
+        change = f"{100 * (r['mean_abs_dlogp'] / base - 1):+.1f}% vs trainer" if base else "trainer gap 0"
+        print(f"  {rung:20s} mean|dlogp|={r['mean_abs_dlogp']:.4g} ({change}) bitwise={r['frac_bitwise_equal']:.3f}")
     print(f"rpa attribute: {s['config']['numerics']['regions']}: {s['tokens']} tokens of {s['sequences']} sequences "
           f"-> {args.out}/summary.json")
     return 0
