@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "results" / "reference"
 
 CONFIGS = {"main": "config.yaml", "main-xeon-amx": "config.yaml", "cpu": "toys.yaml", "study-cpu": "study-cpu.yaml",
-           "collapse-cpu": "collapse-cpu.yaml", "collapse-smollm2": "collapse-smollm2.yaml"}
+           "collapse-cpu": "collapse-cpu.yaml", "collapse-smollm2": "collapse-smollm2.yaml",
+           "precision-smollm2": "precision-smollm2.yaml"}
 """Reference folder -> the config under ``experiments/`` whose run it holds (each folder's README says so)."""
 
 
@@ -86,6 +87,8 @@ def check(name: str, scratch: Path, reference: Path = REFERENCE,
     ``write``, each differing committed table is replaced by the regenerated one."""
     ref = reference / name
     results = scratch / name
+    if not (ref / "tables").is_dir():  # a grid measured but not yet tabled (no run of it finished)
+        return [], []
     shutil.copytree(ref, results, ignore=shutil.ignore_patterns("tables", "figures", "paper"))
     (results / "figures").mkdir()
     (results / "tables").mkdir()
