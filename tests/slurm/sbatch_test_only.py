@@ -20,6 +20,7 @@ import argparse
 import csv
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp:
             subprocess.run([str(CLUSTER), "stop", tmp], check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
     write(table, args.out)
     refused = [r for r in table if r["accepted"] != "yes"]
     print(f"sbatch --test-only: {len(table) - len(refused)} of {len(table)} jobs accepted -> {args.out}")
