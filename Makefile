@@ -4,9 +4,10 @@ PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CORES       ?= 2
-# pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers)
+# pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers); loadgroup keeps the tests
+# of one xdist_group (the `slurm` tests: one cluster on this machine) on one worker
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
