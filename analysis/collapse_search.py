@@ -786,6 +786,15 @@ def contrast_text(c: dict) -> str:
                     for arm, w in c["contrast"].items()).lstrip("+ ")
 
 
+def _test_cells(c: dict) -> str:
+    """A paired contrast's table cells: pairs, mean, how many below 0, signed-rank p, the shift with its
+    interval and coverage."""
+    sh = c["shift"]
+    shift = "--" if not sh else f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] ({100 * sh['coverage']:.1f}%)"
+    p = "--" if c["signed_rank_p"] is None else f"{c['signed_rank_p']:.2g}"
+    return f"{c['pairs']} | {c['mean_difference']:+.3f} | {c['a_lower']} of {c['pairs']} | {p} | {shift}"
+
+
 def _effects_markdown(eff: dict) -> str:
     """The pre-registered effects of a factorial grid (``decision.effects``), one row each."""
     text = (f"### Pre-registered effects (outcome: {eff['outcome']})\n\n")
@@ -798,12 +807,7 @@ def _effects_markdown(eff: dict) -> str:
              "that inverts it.\n\n| effect | contrast | pairs | mean | below 0 | signed-rank p | Hodges-Lehmann "
              "shift, exact interval (coverage) |\n|:--|:--|--:|--:|--:|--:|:--|\n")
     for name, e in eff["effects"].items():
-        sh = e["shift"]
-        shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
-                                      f"({100 * sh['coverage']:.1f}%)")
-        p = "--" if e["signed_rank_p"] is None else f"{e['signed_rank_p']:.2g}"
-        text += (f"| {name}: {e['question']} | {contrast_text(e)} | {e['pairs']} | {e['mean_difference']:+.3f} | "
-                 f"{e['a_lower']} of {e['pairs']} | {p} | {shift} |\n")
+        text += f"| {name}: {e['question']} | {contrast_text(e)} | {_test_cells(e)} |\n"
     return text
 
 
@@ -815,12 +819,7 @@ def _post_hoc_markdown(ph: dict) -> str:
             "| comparison | a - b | outcome | pairs | mean | a lower | signed-rank p | Hodges-Lehmann shift, exact "
             "interval (coverage) |\n|:--|:--|:--|--:|--:|--:|--:|:--|\n")
     for name, c in ph["comparisons"].items():
-        sh = c["shift"]
-        shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
-                                      f"({100 * sh['coverage']:.1f}%)")
-        p = "--" if c["signed_rank_p"] is None else f"{c['signed_rank_p']:.2g}"
-        text += (f"| {name} | {contrast_text(c)} | {c['outcome']} | {c['pairs']} | {c['mean_difference']:+.3f} | "
-                 f"{c['a_lower']} of {c['pairs']} | {p} | {shift} |\n")
+        text += f"| {name} | {contrast_text(c)} | {c['outcome']} | {_test_cells(c)} |\n"
     for name, c in ph["comparisons"].items():
         if c.get("reward_gap_by_step"):
             text += (f"\n{name}: raw training reward a - b by logged step, mean over seeds: "

@@ -269,6 +269,10 @@ def test_pre_registered_effects_are_contrasts_of_arms_paired_by_seed():
     # (none - aligned-full) - (trainer-fp32 - fp32) = (-0.05 - s) - (-0.05 - s) = 0 for every seed
     assert e["interaction"]["mean_difference"] == pytest.approx(0.0, abs=1e-12)
     assert e["mismatch_at_fp32"]["question"] == "q1"
+    from analysis.collapse_search import _effects_markdown
+
+    table = _effects_markdown(out)
+    assert "| mismatch_at_fp32: q1 | `trainer-fp32` - `fp32` | 8 | -0.053 | 8 of 8 | 0.0078 |" in table, table
     mixed = [{**r, "cpu_type": "GenuineIntel avx512_bf16+amx_bf16" if r["seed"] else "AuthenticAMD avx512_bf16"}
              for r in rows]
     refused = effects(pd.DataFrame(mixed), pd.DataFrame(), rule)
