@@ -531,10 +531,20 @@ def fisher_one_sided(k1: int, n1: int, k2: int, n2: int) -> float:
     return min(1.0, sum(prob(a) for a in range(k1, min(ks, n1) + 1)))
 
 
+ZERO_DIFFERENCE = 1e-12
+"""A paired difference this small is a zero (a tie): the float error of a contrast whose terms cancel
+(weights of 1/3, an interaction of equal runs) is no evidence of a sign. The outcomes are rewards in [0, 1]."""
+
+
+def _nonzero(x: float) -> bool:
+    return abs(x) > ZERO_DIFFERENCE and not math.isnan(x)
+
+
 def signed_rank_p(differences: list[float]) -> float | None:
-    """Exact two-sided Wilcoxon signed-rank p of paired differences (zeros dropped, average ranks
-    for ties; the sign flips enumerated, so exact for the handful of seeds a CPU grid has)."""
-    d = [x for x in differences if x != 0 and not math.isnan(x)]
+    """Exact two-sided Wilcoxon signed-rank p of paired differences (zeros -- within :data:`ZERO_DIFFERENCE`
+    -- dropped, average ranks for ties; the sign flips enumerated, so exact for the handful of seeds a CPU
+    grid has)."""
+    d = [x for x in differences if _nonzero(x)]
     n = len(d)
     if n == 0:
         return None
@@ -588,8 +598,8 @@ def signed_rank_interval(differences: list[float], confidence: float = 0.95) -> 
 
     Zero differences are dropped here as :func:`signed_rank_p` drops them (Wilcoxon's convention), so the
     estimate, the interval and the p come from the same ``pairs`` (returned, with the ``zeros`` dropped)."""
-    zeros = sum(1 for x in differences if x == 0)
-    d = [x for x in differences if x != 0 and not math.isnan(x)]
+    zeros = sum(1 for x in differences if not math.isnan(x) and not _nonzero(x))
+    d = [x for x in differences if _nonzero(x)]
     n = len(d)
     if n == 0:
         return None
@@ -666,7 +676,7 @@ def questions(runs: pd.DataFrame, rule: dict) -> dict:
             pairs = auc[[q["a"], q["b"]]].dropna()
             diff = (pairs[q["a"]] - pairs[q["b"]]).tolist()
             entry["reward_auc"] = {"pairs": len(diff), "mean_difference": float(np.mean(diff)) if diff else None,
-                                   "a_lower": int(sum(x < 0 for x in diff)), "signed_rank_p": signed_rank_p(diff),
+                                   "a_lower": int(sum(x < -ZERO_DIFFERENCE for x in diff)), "signed_rank_p": signed_rank_p(diff),
                                    "shift": signed_rank_interval(diff, rule.get("confidence", 0.95))}
         if unfinished:
             entry["answer"] = "grid incomplete"
@@ -709,7 +719,8 @@ def paired_contrast(done: pd.DataFrame, curves: pd.DataFrame, c: dict, arm: str,
     pairs = table[list(weights)].dropna()
     diff = sum(pairs[x] * w for x, w in weights.items()).tolist() if len(pairs) else []
     entry = {"contrast": weights, "outcome": outcome, "pairs": len(diff),
-             "mean_difference": float(np.mean(diff)) if diff else None, "a_lower": int(sum(x < 0 for x in diff)),
+             "mean_difference": float(np.mean(diff)) if diff else None,
+             "a_lower": int(sum(x < -ZERO_DIFFERENCE for x in diff)),
              "signed_rank_p": signed_rank_p(diff), "shift": signed_rank_interval(diff, confidence)}
     if "contrast" not in c:
         entry.update(a=[x for x, w in weights.items() if w > 0], b=c["b"])
@@ -790,7 +801,8 @@ def _test_cells(c: dict) -> str:
     """A paired contrast's table cells: pairs, mean, how many below 0, signed-rank p, the shift with its
     interval and coverage."""
     sh = c["shift"]
-    shift = "--" if not sh else f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] ({100 * sh['coverage']:.1f}%)"
+    shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
+                                  f"({100 * sh['coverage']:.1f}%)")
     p = "--" if c["signed_rank_p"] is None else f"{c['signed_rank_p']:.2g}"
     return f"{c['pairs']} | {c['mean_difference']:+.3f} | {c['a_lower']} of {c['pairs']} | {p} | {shift}"
 
