@@ -929,7 +929,11 @@ def runs_per_arm(curves: pd.DataFrame, axes_names: list[str], arm: str) -> pd.Se
     return runs[arm].value_counts()
 
 
-def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -> None:
+def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict,
+                 runs: pd.DataFrame | None = None) -> None:
+    """Reward and mismatch per logged step, one line per arm (mean over seeds, band: their range), a panel per
+    rung; where the rule has pre-registered ``effects``, a third row: each finished run's outcome (learning
+    gain) per arm, one point per seed and the arm's mean."""
     arm, rung = rule.get("arm_axis", "arm"), rule.get("rung_axis", "lr")
     axes_names = list(manifest["axes"])
     if curves.empty or arm not in curves:
@@ -940,7 +944,9 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
         plt.close(fig)
         return
     panels = list(manifest["axes"].get(rung, [None])) if rung in axes_names else [None]
-    fig, axs = plt.subplots(2, len(panels), figsize=(max(4.2 * len(panels), 6.0), 6.5), squeeze=False)
+    outcome_row = bool(rule.get("effects")) and runs is not None and "reward_auc" in runs
+    rows = 3 if outcome_row else 2
+    fig, axs = plt.subplots(rows, len(panels), figsize=(max(4.2 * len(panels), 6.0), 3.25 * rows), squeeze=False)
     arms = list(manifest["axes"][arm])
     runs_drawn = runs_per_arm(curves, axes_names, arm)
     for j, panel in enumerate(panels):
@@ -957,6 +963,19 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict) -
                     axs[row, j].set_yscale("log")
         axs[0, j].set(title=str(panel) if panel is not None else "", ylabel="reward (mean, band: min-max over seeds)")
         axs[1, j].set(xlabel="step", ylabel="mean |dlogp|")
+        if outcome_row:
+            done = runs[runs["state"] == "finished"]
+            done = done if panel is None else done[done[rung] == panel]
+            outcome = rule.get("outcome", "learning_gain")
+            for i, a in enumerate(arms):
+                g = done[done[arm] == a]
+                if g.empty:
+                    continue
+                values = _outcome(g, outcome)
+                axs[2, j].scatter([i] * len(values), values, color=f"C{i}", s=14, alpha=0.7)
+                axs[2, j].hlines(values.mean(), i - 0.3, i + 0.3, color=f"C{i}", lw=2)
+            axs[2, j].set(xticks=range(len(arms)), xticklabels=arms,
+                          ylabel=f"{outcome.replace('_', ' ')} per run (line: mean)")
     legend = {}  # from every panel: the first may have no runs yet
     for ax in axs[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -1051,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "final_reward": r["final_reward"]} for _, r in ended.iterrows()]
         table = runs
         shown = per_group
-        _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {})
+        _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {}, runs)
         text = f"### {manifest['label']}: {args.stage}\n\n"
         if "decision" in summary:
             text += (f"**Decision** (rule fixed in the config before the {args.stage} ran): "

@@ -547,3 +547,30 @@ def test_post_hoc_comparisons_pool_arms_per_seed_and_describe_each_arm():
     with pytest.raises(ValueError, match="outcome"):
         post_hoc(pd.DataFrame(rows), pd.DataFrame(), {"comparisons": {"x": {"a": "all", "b": "fp32",
                                                                                "outcome": "auc"}}}, {})
+
+
+def test_a_factorial_grids_figure_adds_the_outcome_per_run(tmp_path):
+    """With pre-registered effects the grid figure has a third row: each finished run's learning gain per
+    cell (issue 56's figure); without them it keeps its two rows."""
+    from PIL import Image
+
+    from analysis.collapse_search import _figure_grid
+    from tests.conftest import assert_figure
+
+    cells = []
+    for arm in ("fp32", "none"):
+        for seed in range(2):
+            cell = f"grid/lr1/{arm}/seed{seed}"
+            _write_run(tmp_path, cell, [0.2, 0.3, 0.4, 0.5], [0.01] * 4)
+            cells.append({"cell": cell, "labels": {"lr": "lr1", "arm": arm}, "seed": seed, "model": "m"})
+    manifest = _manifest(tmp_path, "grid", {"lr": ["lr1"], "arm": ["fp32", "none"]}, cells)
+    runs, curves = load_runs(tmp_path, manifest)
+    rule = {"arm_axis": "arm", "rung_axis": "lr", "effects": {"e": {"contrast": {"none": 1, "fp32": -1}}}}
+    sizes = {}
+    for name, r in (("with", rule), ("without", {k: v for k, v in rule.items() if k != "effects"})):
+        path = tmp_path / f"{name}.png"
+        _figure_grid(curves, {**manifest, "label": "t"}, path, r, runs.assign(state="finished", reward_auc=0.3,
+                                                                                step1_reward=0.1))
+        assert_figure(path)
+        sizes[name] = Image.open(path).size
+    assert sizes["with"][1] > sizes["without"][1]  # the third row
