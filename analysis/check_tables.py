@@ -26,12 +26,14 @@ import json
 import sys
 from pathlib import Path
 
-from rpa.core.provenance import cpu_info, cpu_type
+from rpa.core.provenance import cpu_info, cpu_type, recorded_cpus
 
 MACHINE = "machine.json"
 """A reference folder's record of the machine its run was made on (:func:`rpa.core.provenance.cpu_info`)."""
-KEY_COLUMNS = 2
-"""Columns that label a row in the printed differences (the model and the configuration, etc.)."""
+MIN_KEY_COLUMNS = 2
+"""Rows are matched by their leading cells: the fewest leading columns (at least this many: the model and
+the configuration) whose values are unique in both tables (``diagnose.csv`` needs model, config, layer
+and boundary); where no prefix is unique, by position."""
 
 
 def _rows(path: Path) -> tuple[list[str], list[list[str]]]:
@@ -40,9 +42,18 @@ def _rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return (rows[0], rows[1:]) if rows else ([], [])
 
 
+def _key_columns(cols: list[str], *tables: list[list[str]]) -> int | None:
+    """How many leading columns label a row uniquely in every table; None where no prefix does."""
+    for n in range(min(MIN_KEY_COLUMNS, len(cols)), len(cols) + 1):
+        if all(len({tuple(r[:n]) for r in rows}) == len(rows) for rows in tables):
+            return n
+    return None
+
+
 def compare_table(reference: Path, fresh: Path) -> list[str]:
     """The differing cells of one CSV table (one line each, the table's name first). Rows are matched by
-    their first :data:`KEY_COLUMNS` cells (model, configuration, ...); a row only one side has is listed."""
+    their leading cells (:data:`MIN_KEY_COLUMNS`, more where those repeat; by position where no prefix is
+    unique); a row only one side has is listed."""
     name = reference.name
     if not fresh.exists():
         return [f"{name}: missing from the fresh run"]
@@ -50,10 +61,17 @@ def compare_table(reference: Path, fresh: Path) -> list[str]:
     new_cols, new_rows = _rows(fresh)
     if ref_cols != new_cols:
         return [f"{name}: columns differ: reference {ref_cols}, fresh {new_cols}"]
-    key = lambda row: "/".join(row[:KEY_COLUMNS])  # noqa: E731
-    ref_by, new_by = {key(r): r for r in ref_rows}, {key(r): r for r in new_rows}
-    out = [f"{name}: row {k} only in the reference" for k in ref_by if k not in new_by]
-    out += [f"{name}: row {k} only in the fresh run" for k in new_by if k not in ref_by]
+    n = _key_columns(ref_cols, ref_rows, new_rows)
+    if n is None:  # no unique label: row i against row i
+        out = ([] if len(ref_rows) == len(new_rows)
+               else [f"{name}: {len(ref_rows)} rows in the reference, {len(new_rows)} in the fresh run"])
+        ref_by = {f"#{i + 1}": r for i, r in enumerate(ref_rows)}
+        new_by = {f"#{i + 1}": r for i, r in enumerate(new_rows)}
+    else:
+        ref_by = {"/".join(r[:n]): r for r in ref_rows}
+        new_by = {"/".join(r[:n]): r for r in new_rows}
+        out = [f"{name}: row {k} only in the reference" for k in ref_by if k not in new_by]
+        out += [f"{name}: row {k} only in the fresh run" for k in new_by if k not in ref_by]
     for k, a in ref_by.items():
         if k in new_by:
             out += [f"{name}: row {k} column {col}: reference {x}, fresh {y}"
@@ -72,7 +90,7 @@ def compare(reference: Path, results: Path) -> tuple[int, list[str]]:
         elif not fresh.exists():
             diffs.append(f"{table.name}: missing from the fresh run")
         elif fresh.read_bytes() != table.read_bytes():
-            diffs.append(f"{table.name}: differs (its CSV's cells are listed above)")
+            diffs.append(f"{table.name}: differs byte for byte (a Markdown table: its cells are not compared one by one)")
     return len(tables), diffs
 
 
@@ -88,10 +106,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{path}: no such folder")
     machine = args.reference / MACHINE
     made_on = json.loads(machine.read_text()).get("cpu") if machine.exists() else None
-    here = cpu_info()
+    recorded, _ = recorded_cpus(args.results)  # the fresh run's CPU as its results record it
+    if len(recorded) > 1:
+        print(f"check_tables: {args.results} holds results of {len(recorded)} CPU types; compare one type's run",
+              file=sys.stderr)
+        return 2
+    here = next(iter(recorded.values())) if recorded else cpu_info()  # unrecorded: made on this machine
     if cpu_type(made_on) != cpu_type(here) and not args.any_cpu:
-        print(f"check_tables: the reference was made on {made_on or 'an unrecorded CPU'} ({machine}); this is "
-              f"{here}: BF16 bits differ between CPU types, so compare on the reference's CPU type "
+        print(f"check_tables: the reference was made on {made_on or 'an unrecorded CPU'} ({machine}); the fresh "
+              f"run on {here}: BF16 bits differ between CPU types, so compare on the reference's CPU type "
               f"(or pass --any-cpu to list the differences anyway)", file=sys.stderr)
         return 2
     count, diffs = compare(args.reference, args.results)

@@ -88,7 +88,8 @@ def _max(m: pd.DataFrame, key: str):
 def final_window(run) -> int:
     """``final_entropy``'s window: the run's own smoothing window (``collapse.smoothing_window`` of its
     config), the window of its smoothed final reward, so both "final" values cover the same logged steps."""
-    return int(((run.config or {}).get("collapse") or {}).get("smoothing_window", 1))
+    return int(((run.config or {}).get("collapse") or {}).get("smoothing_window",
+                                                               CollapseThresholds().smoothing_window))
 
 
 def _last(m: pd.DataFrame, steps: int, key: str):
@@ -699,34 +700,45 @@ def _outcome(runs: pd.DataFrame, outcome: str) -> pd.Series:
 
 def contrast_weights(c: dict) -> dict[str, float]:
     """A comparison's arms and weights per seed: ``contrast: {arm: weight}`` as written, or ``a`` (an arm, or
-    a list pooled as their mean: weight 1/len each) minus ``b`` (weight -1)."""
+    a list pooled as their mean: weight 1/len each) minus ``b`` (weight -1), weights of a repeated arm added."""
     if "contrast" in c:
         return {str(k): float(v) for k, v in c["contrast"].items()}
     a = list(c["a"]) if isinstance(c["a"], (list, tuple)) else [c["a"]]
-    return {**{x: 1 / len(a) for x in a}, c["b"]: -1.0}
+    weights: dict[str, float] = {}
+    for x, w in [*((x, 1 / len(a)) for x in a), (c["b"], -1.0)]:
+        weights[x] = weights.get(x, 0.0) + w
+    return weights
 
 
-def paired_contrast(done: pd.DataFrame, curves: pd.DataFrame, c: dict, arm: str, confidence: float) -> dict | None:
-    """One paired comparison of finished runs: per seed the weighted sum of the arms' outcomes
-    (:func:`contrast_weights`; seeds where every arm finished), its mean, how many seeds are below 0, the
-    exact signed-rank p and the Hodges-Lehmann interval; with per-step curves, the same contrast of the raw
-    training reward per logged step (mean over seeds). None where an arm has no finished run."""
+def paired_contrast(done: pd.DataFrame, curves: pd.DataFrame, c: dict, arm: str, confidence: float,
+                    rung: str | None = None) -> dict:
+    """One paired comparison of finished runs: per pair -- a seed, within one rung where the grid has
+    several (``rung``, an axis) -- the weighted sum of the arms' outcomes (:func:`contrast_weights`; pairs
+    where every arm has one), its mean, how many pairs are below 0, the exact signed-rank p and the
+    Hodges-Lehmann interval; with per-step curves, the same contrast of the raw training reward per logged
+    step (mean over pairs). ``not_computed`` says why where an arm has no finished run with an outcome."""
     weights, outcome = contrast_weights(c), c.get("outcome", "reward_auc")
-    table = done.assign(_v=_outcome(done, outcome)).pivot_table(index="seed", columns=arm, values="_v",
+    index = [rung, "seed"] if rung and rung in done else ["seed"]
+    table = done.assign(_v=_outcome(done, outcome)).pivot_table(index=index, columns=arm, values="_v",
                                                                 aggfunc="first")
-    if not all(x in table for x in weights):
-        return None
-    pairs = table[list(weights)].dropna()
-    diff = sum(pairs[x] * w for x, w in weights.items()).tolist() if len(pairs) else []
-    entry = {"contrast": weights, "outcome": outcome, "pairs": len(diff),
-             "mean_difference": float(np.mean(diff)) if diff else None,
-             "a_lower": int(sum(x < -ZERO_DIFFERENCE for x in diff)),
-             "signed_rank_p": signed_rank_p(diff), "shift": signed_rank_interval(diff, confidence)}
+    entry: dict = {"contrast": weights, "outcome": outcome}
     if "contrast" not in c:
         entry.update(a=[x for x, w in weights.items() if w > 0], b=c["b"])
+    missing = [x for x in weights if x not in table]
+    if missing:
+        return {**entry, "pairs": 0, "not_computed": f"no finished run with a {outcome} in {', '.join(missing)}"}
+    pairs = table[list(weights)].dropna()
+    diff = sum(pairs[x] * w for x, w in weights.items()).tolist() if len(pairs) else []
+    entry.update(pairs=len(diff), mean_difference=float(np.mean(diff)) if diff else None,
+                 a_lower=int(sum(x < -ZERO_DIFFERENCE for x in diff)), signed_rank_p=signed_rank_p(diff),
+                 shift=signed_rank_interval(diff, confidence))
+    if not diff:
+        entry["not_computed"] = "no pair in which every arm has a finished run"
     if len(curves) and "reward" in curves:
-        per = curves[curves[arm].isin(list(weights))].pivot_table(index=["seed", "step"], columns=arm,
-                                                                   values="reward", aggfunc="first").dropna()
+        step_index = [*index, "step"] if set(index) <= set(curves) else ["seed", "step"]
+        per = curves[curves[arm].isin(list(weights))].pivot_table(index=step_index, columns=arm, values="reward",
+                                                                   aggfunc="first")
+        per = per[[x for x in weights if x in per]].dropna() if all(x in per for x in weights) else per.iloc[0:0]
         if len(per):
             gap = sum(per[x] * w for x, w in weights.items()).groupby(level="step").mean()
             entry["reward_gap_by_step"] = {int(k): float(v) for k, v in gap.items()}
@@ -747,11 +759,16 @@ def effects(runs: pd.DataFrame, curves: pd.DataFrame, rule: dict) -> dict:
     if len(types) > 1:  # BF16 bits differ between CPU types: arms compared across them are not comparable
         out["refused"] = f"the runs were made on {len(types)} CPU types ({'; '.join(types)}); compare within one"
         return out
+    unrecorded = int(done["cpu_type"].isna().sum()) if "cpu_type" in done else 0
+    if types and unrecorded:  # a run whose CPU is unknown may be of another type
+        out["refused"] = (f"{unrecorded} of {len(done)} runs record no CPU beside runs of {types[0]}; "
+                          "run them again where the others ran")
+        return out
     out["cpu_type"] = types[0] if types else None
     for name, e in (rule.get("effects") or {}).items():
-        entry = paired_contrast(done, curves, {"contrast": e["contrast"], "outcome": out["outcome"]}, arm, confidence)
-        if entry is not None:
-            out["effects"][name] = {"question": e.get("question", name), **entry}
+        spec = {"contrast": e["contrast"], "outcome": out["outcome"]}
+        entry = paired_contrast(done, curves, spec, arm, confidence, rule.get("rung_axis"))
+        out["effects"][name] = {"question": e.get("question", name), **entry}
     return out
 
 
@@ -769,12 +786,11 @@ def post_hoc(runs: pd.DataFrame, curves: pd.DataFrame, spec: dict, rule: dict) -
     done = runs[runs["state"] == "finished"]
     out: dict = {"comparisons": {}, "arms": {}}
     for name, c in (spec.get("comparisons") or {}).items():
-        entry = paired_contrast(done, curves, c, arm, confidence)
-        if entry is not None:
-            out["comparisons"][name] = entry
+        out["comparisons"][name] = paired_contrast(done, curves, c, arm, confidence, rule.get("rung_axis"))
     for name, g in done.groupby(arm, sort=False):
-        evals = g["first_eval_accuracy"].dropna() if "first_eval_accuracy" in g else pd.Series(dtype=float)
-        prompts = g["first_eval_prompts"].dropna() if "first_eval_prompts" in g else pd.Series(dtype=float)
+        both = g[[c for c in ("first_eval_accuracy", "first_eval_prompts") if c in g]].dropna()
+        evals = both["first_eval_accuracy"] if "first_eval_accuracy" in both else pd.Series(dtype=float)
+        prompts = both["first_eval_prompts"] if "first_eval_prompts" in both else pd.Series(dtype=float)
         first, last = g["step1_entropy"], g["last_entropy"]
         out["arms"][str(name)] = {
             "runs": int(len(g)), "step1_reward": float(g["step1_reward"].mean()),
@@ -800,6 +816,8 @@ def contrast_text(c: dict) -> str:
 def _test_cells(c: dict) -> str:
     """A paired contrast's table cells: pairs, mean, how many below 0, signed-rank p, the shift with its
     interval and coverage."""
+    if c.get("not_computed"):
+        return f"{c.get('pairs', 0)} | -- | -- | -- | not computed: {c['not_computed']}"
     sh = c["shift"]
     shift = "--" if not sh else (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, {sh['high']:+.3f}] "
                                   f"({100 * sh['coverage']:.1f}%)")
@@ -844,9 +862,9 @@ def _post_hoc_markdown(ph: dict) -> str:
     for name, a in ph["arms"].items():
         acc = a["first_eval_accuracy"]
         solved = "/".join(str(k) for k in a["first_eval_solved"])
-        shown = ("--" if not acc else f"{solved}/{a['eval_prompts']}" + (" (identical over seeds: one measurement)"
-                                                                        if a["first_eval_one_measurement"] else
-                                                                        " (over seeds)"))
+        value = f"{solved}/{a['eval_prompts']}" if a["eval_prompts"] and solved else "/".join(f"{v:.3f}" for v in acc)
+        shown = ("--" if not acc else value + (" (identical over seeds: one measurement)"
+                                               if a["first_eval_one_measurement"] else " (over seeds)"))
         text += (f"| `{name}` | {a['runs']} | {a['step1_reward']:.3f} | {a['reward_gain']:.3f} | "
                  f"{a['step1_entropy']:.2f} -> {a['last_entropy']:.2f} | {a['entropy_fell']} of {a['runs']} | "
                  f"{a['last_entropy_range'][0]:.2f}-{a['last_entropy_range'][1]:.2f} | {shown} |\n")

@@ -31,7 +31,7 @@ import shutil
 from pathlib import Path
 
 from rpa.core.jsonfiles import read_jsonl, write_json, write_text
-from rpa.core.provenance import cpu_info, cpu_type
+from rpa.core.provenance import cpu_info, recorded_cpus
 
 METRIC_KEYS = ("step", "reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                "clip_ratio/region_mean", "mismatch/tokens", "mismatch/mean_abs_dlogp", "mismatch/kl_k3",
@@ -120,26 +120,24 @@ def export_pipeline(results: Path, out: Path) -> int:
     return len(reports) + len(probes) + len(diagnoses) + len(attributions)
 
 
-def write_machine(out: Path) -> dict:
-    """``machine.json``: the CPU type the exported results were made on (:func:`rpa.core.provenance.cpu_info`,
-    as each exported ``summary.json`` records it in its provenance), which :mod:`analysis.check_tables`
-    compares a fresh run's CPU with. Results of more than one CPU type in one reference are refused: BF16
-    bits differ between them. Where no exported result records a CPU (made before provenance did), the
-    exporting machine's is written and ``source`` says so."""
-    recorded, unrecorded = {}, 0
-    for summary in sorted(out.rglob("summary.json")):
-        try:
-            cpu = (json.loads(summary.read_text()).get("provenance") or {}).get("cpu")
-        except ValueError:
-            cpu = None
-        if cpu:
-            recorded.setdefault(cpu_type(cpu), cpu)
-        else:
-            unrecorded += 1
+def check_one_cpu_type(results: Path, out: Path) -> None:
+    """Refuse, before anything is copied, an export that would put results of two CPU types into one
+    reference (what ``out`` holds already and what ``results`` brings)."""
+    recorded = {**recorded_cpus(out)[0], **recorded_cpus(results)[0]} if out.exists() else recorded_cpus(results)[0]
     if len(recorded) > 1:
         raise SystemExit(f"export: {out} would hold results of {len(recorded)} CPU types "
                          f"({'; '.join(str(c) for c in recorded.values())}); BF16 bits differ between them: "
                          "export each type into a reference of its own")
+
+
+def write_machine(out: Path) -> dict:
+    """``machine.json``: the CPU type the exported results were made on (:func:`rpa.core.provenance.cpu_info`,
+    as each exported ``summary.json`` records it in its provenance), which :mod:`analysis.check_tables`
+    compares a fresh run's CPU with. Where no exported result records a CPU (made before provenance did), the
+    exporting machine's is written and ``source`` says so."""
+    recorded, unrecorded = recorded_cpus(out)
+    if len(recorded) > 1:
+        raise SystemExit(f"export: {out} holds results of {len(recorded)} CPU types")
     if recorded:
         machine = {"cpu": next(iter(recorded.values())), "source": "the results' provenance",
                    "results_without_cpu": unrecorded}
@@ -156,6 +154,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--what", choices=("dose", "study", "search", "pipeline"), required=True)
     args = parser.parse_args()
+    check_one_cpu_type(args.results, args.out)
     if args.what == "pipeline":
         cells = export_pipeline(args.results, args.out)
         if not cells:

@@ -545,11 +545,18 @@ def post_hoc_text(grid: dict) -> str | None:
         sh = c.get("shift") or {}
         what = "learning gain (reward AUC minus the run's own step-1 reward)" if c["outcome"] == "learning_gain" \
             else "reward AUC"
-        a = " + ".join(c["a"]) + (" (mean per seed)" if len(c["a"]) > 1 else "")
-        interval = (f", {100 * sh['coverage']:.1f}% interval {sh['low']:+.3f} to {sh['high']:+.3f}" if sh else "")
+        if "a" in c:
+            arms = " + ".join(c["a"]) + (" (mean per seed)" if len(c["a"]) > 1 else "") + f" - {c['b']}"
+        else:
+            arms = " ".join(f"{w:+g} {arm}" for arm, w in c["contrast"].items())
+        if c.get("not_computed"):
+            parts.append(f"{what}, {arms}: not computed ({c['not_computed']})")
+            continue
+        size = (f"shift {sh['estimate']:+.3f}, {100 * sh['coverage']:.1f}% interval {sh['low']:+.3f} to "
+                f"{sh['high']:+.3f}" if sh else f"mean {c['mean_difference']:+.3f} (no interval with "
+                f"{c['pairs']} pairs)")
         p = "" if c.get("signed_rank_p") is None else f", signed-rank p = {c['signed_rank_p']:.2g}"
-        parts.append(f"{what}, {a} - {c['b']}: shift {sh.get('estimate', c['mean_difference']):+.3f}{interval}, "
-                     f"{c['a_lower']} of {c['pairs']} seeds lower{p}")
+        parts.append(f"{what}, {arms}: {size}, {c['a_lower']} of {c['pairs']} seeds lower{p}")
     arms = ph.get("arms") or {}
     own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
            if g.get("pre_collapse_mismatch") is not None}

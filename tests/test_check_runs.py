@@ -66,3 +66,20 @@ def test_provenance_names_the_cpu_type_its_bf16_bits_depend_on(tmp_path):
         pass
     assert info["features"] == [f for f in CPU_FEATURES if f in flags]
     assert provenance()["cpu"] == info
+
+
+def test_check_tables_matches_rows_by_the_shortest_unique_label(tmp_path):
+    """Review finding (issue 55): a table whose first two columns repeat (diagnose.csv: model, config, then
+    layer and boundary) is matched by the shortest unique prefix, so a changed cell in any row is named."""
+    from analysis.check_tables import compare_table
+
+    header = "model,config,layer,boundary,value\n"
+    rows = [f"m,all,{layer},{b},{layer}.{i}\n" for layer in range(3) for i, b in enumerate(("attn", "mlp"))]
+    ref, fresh = tmp_path / "ref.csv", tmp_path / "fresh.csv"
+    ref.write_text(header + "".join(rows))
+    changed = list(rows)
+    changed[3] = changed[3].replace("1.1", "1.2")
+    fresh.write_text(header + "".join(changed))
+    assert compare_table(ref, fresh) == ["ref.csv: row m/all/1/mlp column value: reference 1.1, fresh 1.2"]
+    fresh.write_text(header + "".join(rows))
+    assert compare_table(ref, fresh) == []

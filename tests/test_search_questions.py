@@ -296,3 +296,21 @@ def test_a_contrast_whose_weights_do_not_sum_to_zero_or_name_no_arm_is_refused()
     with pytest.raises(Exception) as err:
         check_config(config)
     assert "weights sum to -1" in str(err.value) and "'nope' is not a label" in str(err.value)
+
+
+def test_a_contrast_pairs_within_a_rung_and_says_when_it_cannot_be_computed():
+    """Review findings (issue 56): with several rungs a pair is (rung, seed), not the seed's first rung; an
+    arm repeated in a comparison adds its weights; an arm with no finished run is named, not dropped."""
+    from analysis.collapse_search import contrast_weights, paired_contrast
+
+    rows = []
+    for rung, shift in (("lr1", 0.1), ("lr2", -0.2)):
+        for seed in range(6):
+            rows.append({"lr": rung, "arm": "a", "seed": seed, "state": "finished", "reward_auc": 0.5 + shift})
+            rows.append({"lr": rung, "arm": "b", "seed": seed, "state": "finished", "reward_auc": 0.5 + seed / 1000})
+    done = pd.DataFrame(rows)
+    c = paired_contrast(done, pd.DataFrame(), {"a": "a", "b": "b"}, "arm", 0.95, "lr")
+    assert c["pairs"] == 12 and c["a_lower"] == 6  # lr2's six pairs lower, lr1's six higher
+    assert contrast_weights({"a": ["x", "y"], "b": "y"}) == {"x": 0.5, "y": -0.5}
+    gone = paired_contrast(done, pd.DataFrame(), {"a": "a", "b": "nobody"}, "arm", 0.95, "lr")
+    assert gone["pairs"] == 0 and "nobody" in gone["not_computed"]

@@ -66,8 +66,28 @@ def cpu_info() -> dict[str, Any]:
 
 def cpu_type(info: dict[str, Any] | None) -> tuple | None:
     """What makes two CPUs round BF16 alike, from :func:`cpu_info`: the vendor and the features (not the
-    model string or the core count); None for an unrecorded CPU."""
+    model string or the core count: the runs compared use one thread per process, ``OMP_NUM_THREADS=1``, and
+    ``provenance()["torch_threads"]`` records it beside); None for an unrecorded CPU."""
     return None if not info else (info.get("vendor"), tuple(info.get("features") or ()))
+
+
+def recorded_cpus(root: Path) -> tuple[dict[tuple, dict[str, Any]], int]:
+    """The CPU types the results under ``root`` record (each ``summary.json``'s ``provenance.cpu``), by
+    :func:`cpu_type`, and how many summaries record none (made before provenance did)."""
+    import json
+
+    recorded: dict[tuple, dict[str, Any]] = {}
+    unrecorded = 0
+    for summary in sorted(Path(root).rglob("summary.json")):
+        try:
+            cpu = (json.loads(summary.read_text()).get("provenance") or {}).get("cpu")
+        except (OSError, ValueError):
+            cpu = None
+        if cpu:
+            recorded.setdefault(cpu_type(cpu), cpu)
+        else:
+            unrecorded += 1
+    return recorded, unrecorded
 
 
 MODEL_NOTES = ("rpa_source.json", "rpa_tiny.json", "rpa_init.json")

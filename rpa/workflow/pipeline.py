@@ -455,6 +455,9 @@ def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
                             "not 0 (an effect compares arms)")
     for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
         named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
+        if len(set(named)) < len(named):
+            problems.append(f"search.post_hoc.comparisons.{name}: an arm named twice (a: {c['a']!r}, b: {c['b']!r}); "
+                            "a comparison takes each arm once")
         problems += [f"search.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for arm in named if arm not in arms]
     return problems, cells
