@@ -134,6 +134,7 @@ def build_model(shape: dict, device: str):
 
 
 def bench_steps(shape: dict, batch: int, seq: int, device: str, settings: list[str], repeat: int) -> list[dict]:
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model
 
     model = build_model(shape, device)
@@ -141,7 +142,8 @@ def bench_steps(shape: dict, batch: int, seq: int, device: str, settings: list[s
     out = []
     for setting in settings:
         autocast = setting == "autocast"
-        handle = align_model(model, "none" if autocast else setting, compute_dtype=None if autocast else torch.bfloat16)
+        handle = align_model(model, NumericsConfig.from_dict({"regions": "none", "trainer_mode": "autocast"} if autocast
+                                                             else {"regions": setting}))
         ctx = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast)
         times = []
         if device == "cuda":

@@ -26,9 +26,10 @@ def measure(model: str, regions: str, prompts: int, prompt_len: int, decode_toke
 
     from vllm import SamplingParams
 
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.engine import make_llm
 
-    llm = make_llm(model, regions, enforce_eager=eager, seed=0, max_model_len=prompt_len + decode_tokens + 8,
+    llm = make_llm(model, NumericsConfig.from_dict({"regions": regions}), enforce_eager=eager, seed=0, max_model_len=prompt_len + decode_tokens + 8,
                    enable_prefix_caching=False)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)

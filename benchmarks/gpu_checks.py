@@ -81,6 +81,7 @@ def check_kernels(small: bool) -> dict:
 
 
 def check_rope_table(small: bool) -> dict:
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model, rope_table
 
     dev = _device()
@@ -93,7 +94,7 @@ def check_rope_table(small: bool) -> dict:
         "table_differing_frac": float((tab_cpu != tab_dev.cpu()).float().mean()),
         "table_max_abs_diff": float((tab_cpu - tab_dev.cpu()).abs().max())}}
     model = build_model(SHAPES["tiny"] if small else dict(SHAPES["qwen3-4b"], num_hidden_layers=2), dev)
-    handle = align_model(model, "all")
+    handle = align_model(model, NumericsConfig.from_dict({"regions": "all"}))
     trainer_table = model.model.rotary_emb.rpa_cos_sin_bits.view(torch.float32)
     with torch.device(dev):  # what the vLLM plugin does inside vLLM's default-device context
         plugin_table = numerics.rope_table(model.config.rope_parameters["rope_theta"], model.config.head_dim,
@@ -131,6 +132,7 @@ def _batch(vocab: int, small: bool):
 
 
 def check_bf16_copy(small: bool) -> dict:
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model
 
     out = {}
@@ -138,7 +140,8 @@ def check_bf16_copy(small: bool) -> dict:
         m32, m16 = _pair(arch, small)
         ids, mask = _batch(m32.config.vocab_size, small)
         for regions in ("all", "none"):
-            with align_model(m32, regions), align_model(m16, regions), torch.no_grad():
+            aligned = NumericsConfig.from_dict({"regions": regions})
+            with align_model(m32, aligned), align_model(m16, aligned), torch.no_grad():
                 a, b = m32(ids, attention_mask=mask).logits, m16(ids, attention_mask=mask).logits
             out[f"{arch}/{regions}"] = {"logits_dtype": str(a.dtype), **kc.bitwise(a, b.float())}
         del m32, m16
@@ -146,6 +149,7 @@ def check_bf16_copy(small: bool) -> dict:
 
 
 def check_compile(small: bool) -> dict:
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model
 
     out = {}
@@ -154,7 +158,7 @@ def check_compile(small: bool) -> dict:
         ids, mask = _batch(m16.config.vocab_size, small)
         for regions in ("all", None):
             torch._dynamo.reset()
-            handle = align_model(m16, regions) if regions else None
+            handle = align_model(m16, NumericsConfig.from_dict({"regions": regions})) if regions else None
             with torch.no_grad():
                 eager = m16(ids, attention_mask=mask).logits
                 t0 = time.perf_counter()
@@ -170,6 +174,7 @@ def check_compile(small: bool) -> dict:
 
 
 def check_scoring(small: bool) -> dict:
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.measure.scoring import token_logps_and_entropy
     from rpa.sides.trainer import align_model
 
@@ -178,7 +183,7 @@ def check_scoring(small: bool) -> dict:
         SHAPES["qwen2.5-7b"]
     model = build_model(shape, dev)
     model.eval()
-    handle = align_model(model, "all")
+    handle = align_model(model, NumericsConfig.from_dict({"regions": "all"}))
     seqs, length, keep = (16, 64, 48) if small else (64, 1024, 768)
     ids = torch.randint(3, shape["vocab_size"], (seqs, length), device=dev)
     mask = torch.ones_like(ids)

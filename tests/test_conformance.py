@@ -17,14 +17,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import align_model
 
 # each variant compiles the model with Inductor (C++ through gcc): the engine kind
 pytestmark = pytest.mark.engine
 
 VARIANTS = {"stock": None,
-            "aligned-bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),
-            "aligned-compute-none": dict(dtype=torch.bfloat16, compute_dtype=None)}
+            "aligned-bf16-compute": dict(dtype=torch.float32, numerics={"regions": "all", "trainer_mode": "compute"}),
+            "aligned-compute-none": dict(dtype=torch.bfloat16, numerics={"regions": "all", "trainer_mode": "autocast"})}
 ARCHS = ("qwen2", "qwen3", "llama")
 METHOD_CHECKS = {"left_padding", "compile_fullgraph"}  # what alignment itself promises
 _RESULTS: dict[tuple[str, str], dict[str, bool]] = {}
@@ -38,8 +39,8 @@ def build(path, variant, attn="eager"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=spec["dtype"] if spec else torch.bfloat16,
                                                  attn_implementation=attn).eval()
     if spec:
-        align_model(model, "all", compute_dtype=spec["compute_dtype"])
-    return model, (lambda m: align_model(m, "all", compute_dtype=spec["compute_dtype"])) if spec else (lambda m: None)
+        align_model(model, NumericsConfig.from_dict(spec["numerics"]))
+    return model, (lambda m: align_model(m, NumericsConfig.from_dict(spec["numerics"]))) if spec else (lambda m: None)
 
 
 def ids_and_mask():

@@ -1,6 +1,6 @@
 """``align_model`` as a drop-in on a user's own model: each path that broke at cd5027a
 (issue 12), in both compute modes -- BF16 compute on FP32 masters (the default) and
-``compute_dtype=None`` (TRL's autocast numerics) -- plus TRL's reference-model helper."""
+``trainer_mode: autocast`` (TRL's autocast numerics) -- plus TRL's reference-model helper."""
 
 import copy
 import pickle
@@ -9,10 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import UnsupportedModelError, align_model
 
-MODES = {"bf16-compute": dict(dtype=torch.float32, compute_dtype=torch.bfloat16),
-         "compute-none": dict(dtype=torch.bfloat16, compute_dtype=None)}
+MODES = {"bf16-compute": dict(dtype=torch.float32, trainer_mode="compute"),
+         "compute-none": dict(dtype=torch.bfloat16, trainer_mode="autocast")}
+
+
+def numerics(regions="all", **options):
+    """The configuration a config's ``numerics: {regions: ..., **options}`` reads to."""
+    return NumericsConfig.from_dict({"regions": regions, **options})
 
 
 @pytest.fixture(params=list(MODES))
@@ -27,7 +33,7 @@ def arch(request):
 
 def aligned(path, mode, regions="all"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=MODES[mode]["dtype"]).eval()
-    align_model(model, regions, compute_dtype=MODES[mode]["compute_dtype"])
+    align_model(model, numerics(regions, trainer_mode=MODES[mode]["trainer_mode"]))
     return model
 
 
@@ -90,12 +96,12 @@ def test_resize_token_embeddings_after_aligning(tiny_dirs, arch, mode):
     model.resize_token_embeddings(old_vocab + 8, mean_resizing=False)
     out = logits(model, ids, mask)  # crashed with "expected m1 and m2 to have the same dtype"
     assert out.shape[-1] == old_vocab + 8 and torch.isfinite(out).all()
-    if MODES[mode]["compute_dtype"] is not None:  # the new head and embedding compute in BF16 too
+    if MODES[mode]["trainer_mode"] == "compute":  # the new head and embedding compute in BF16 too
         assert model.get_output_embeddings()._rpa_patched and model.get_input_embeddings()._rpa_patched
         bf16 = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.bfloat16).eval()
         bf16.resize_token_embeddings(old_vocab + 8, mean_resizing=False)
         bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
-        align_model(bf16, "all")
+        align_model(bf16, numerics("all"))
         assert torch.equal(out, logits(bf16, ids, mask).float())
 
 
@@ -159,13 +165,13 @@ def test_every_supported_class_aligns(tiny_dirs, arch, cls_name):
     mask[0, :3] = 0  # left padding
     outs = []
     for model in (master, copy):
-        with align_model(model, "all"), torch.no_grad():
+        with align_model(model, numerics("all")), torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask)
         outs.append(next(v for v in (getattr(out, k, None) for k in ("logits", "start_logits", "last_hidden_state"))
                          if v is not None))
     assert torch.equal(outs[0].to(torch.bfloat16), outs[1].to(torch.bfloat16))
     with pytest.raises(UnsupportedModelError, match="has no LM head"):
-        align_model(master, "all", lm_head_fp32=True)
+        align_model(master, numerics("all", lm_head_fp32=True))
 
 
 def test_the_rope_table_buffer_stays_out_of_checkpoints_and_leaves_with_the_patch(tiny_dirs, tmp_path):

@@ -110,10 +110,11 @@ def test_cuda_trainer_and_plugin_layouts_give_the_same_bits():
 def test_cuda_compiled_aligned_model_equals_eager(tiny_dirs, arch):
     from transformers import AutoModelForCausalLM
 
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).cuda()
-    align_model(model, "all")
+    align_model(model, NumericsConfig.from_dict({"regions": "all"}))
     ids = torch.randint(3, 500, (3, 40), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
     mask[1, :7] = 0

@@ -39,13 +39,15 @@ def test_unscale_syncs_the_host_once_per_step_not_once_per_parameter(monkeypatch
     assert not scaler.unscale_([torch.nn.Parameter(torch.zeros(2))])  # no gradients: nothing to check
 
 
-def _grads(model_dir, ids, compute_dtype, scale=1.0):
+def _grads(model_dir, ids, numerics, scale=1.0):
+    """``numerics``: the configuration's options beside ``regions: none``."""
     from transformers import AutoModelForCausalLM
 
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # FP32 masters
-    handle = align_model(model, "none", compute_dtype=compute_dtype)
+    handle = align_model(model, NumericsConfig.from_dict({"regions": "none", **numerics}))
     logp = torch.log_softmax(model(ids).logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     advantages = torch.randn(ids.size(0), 1, generator=torch.Generator().manual_seed(1))
     loss = -(logp * advantages).sum() / 6e4  # DAPO: normalised by the step's tokens
@@ -58,9 +60,9 @@ def _grads(model_dir, ids, compute_dtype, scale=1.0):
 
 def test_fp16_gradients_underflow_without_loss_scaling(tiny_dirs):
     ids = torch.randint(3, 500, (8, 64), generator=torch.Generator().manual_seed(0))
-    ref = _grads(tiny_dirs["qwen3"], ids, None)
-    plain = _grads(tiny_dirs["qwen3"], ids, torch.float16)
-    scaled = _grads(tiny_dirs["qwen3"], ids, torch.float16, scale=2.0 ** 16)
+    ref = _grads(tiny_dirs["qwen3"], ids, {"trainer_mode": "autocast"})  # FP32 masters, no cast, no autocast: FP32
+    plain = _grads(tiny_dirs["qwen3"], ids, {"precision": "fp16"})
+    scaled = _grads(tiny_dirs["qwen3"], ids, {"precision": "fp16"}, scale=2.0 ** 16)
     cos = lambda g: torch.nn.functional.cosine_similarity(g, ref, dim=0).item()  # noqa: E731
     zero = lambda g: ((g == 0) & (ref != 0)).float().mean().item()  # noqa: E731
     print(f"fp16 no scaling: cos {cos(plain):.4f}, zeroed {zero(plain):.2e}; scaled: cos {cos(scaled):.6f}, "

@@ -23,11 +23,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 from rpa.measure.scoring import token_logps_and_entropy
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import align_model
 path = sys.argv[1]
 ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-align_model(ref, "all"), align_model(model, "all")
+aligned = NumericsConfig.from_dict({"regions": "all"})
+align_model(ref, aligned), align_model(model, aligned)
 ids = torch.randint(3, 500, (3, 14), generator=torch.Generator().manual_seed(0))
 mask = torch.ones_like(ids)
 mask[1, :4] = 0
@@ -78,12 +80,13 @@ import json, sys, torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from rpa.measure.scoring import token_logps_and_entropy
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import align_model
 torch.manual_seed(0)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-align_model(model, "all")  # BF16 compute from FP32 master weights, as GRPO trains
+align_model(model, NumericsConfig.from_dict({"regions": "all"}))  # BF16 compute from FP32 masters, as GRPO trains
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(rank))
 mask = torch.ones_like(ids)

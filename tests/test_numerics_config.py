@@ -185,7 +185,7 @@ def test_trl_batch_layout_with_rope_aligned_equals_batch_one(tiny_dirs):
         numerics = NumericsConfig.from_dict({"regions": regions})
         from rpa.sides.trainer import align_model
 
-        with align_model(model, numerics.regions):
+        with align_model(model, numerics):
             single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
             batch = trainer_batch_logprobs(model, comps, pad_id=0)
         results[regions] = (single, batch)
@@ -207,7 +207,8 @@ def test_grpo_token_logps_use_the_configured_lm_head(tiny_dirs):
     mask = torch.ones_like(ids)
     master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    with align_model(master, "all"), align_model(bf16, "all"), torch.no_grad():
+    aligned = NumericsConfig.from_dict({"regions": "all"})
+    with align_model(master, aligned), align_model(bf16, aligned), torch.no_grad():
         a, ent = token_logps_and_entropy(master, ids, mask, 6, compute_entropy=True)
         b, _ = token_logps_and_entropy(bf16, ids, mask, 6)
         probe = trainer_logprobs(bf16, ids[0, :8].tolist(), ids[0, 8:].tolist())
@@ -257,9 +258,39 @@ def test_compile_cache_keys_differ_by_region_set_and_dose():
     unit check of the key; the engine test shows the caches are really kept apart)."""
     from rpa.sides.engine import compile_cache_key
 
-    keys = {compile_cache_key(frozenset(r), bits) for r in ((), ("rope",), ("rope", "swiglu")) for bits in (None, 3, 4)}
+    def numerics(regions, bits):
+        return NumericsConfig.from_dict({"regions": regions,
+                                         "sampler_perturbation": None if bits is None else {"mantissa_bits": bits}})
+
+    keys = {compile_cache_key(numerics(r, bits)) for r in ("none", "rope", "swiglu,rope") for bits in (None, 3, 4)}
     assert len(keys) == 9
-    assert compile_cache_key(frozenset({"rope", "swiglu"}), 3).startswith("rpa-rope+swiglu-perturb-mantissa3-kernels-")
+    assert compile_cache_key(numerics("rope,swiglu", 3)).startswith("rpa-rope+swiglu-perturb-mantissa3-kernels-")
+    # the sampler's set names the cache: a trainer-only arm shares the stock engine's graphs
+    trainer_only = NumericsConfig.from_dict({"regions": "all", "aligned_sides": "trainer"})
+    assert compile_cache_key(trainer_only) == compile_cache_key(numerics("none", None))
+
+
+def test_a_region_set_reaches_the_sides_only_inside_a_numerics_config(tiny_dirs):
+    """Past the CLI / config boundary the region set is a NumericsConfig: the sides' entry points
+    refuse its text or a bare set (once they parsed it themselves, each its own way), and the
+    configuration refuses text where its frozenset belongs (``"rope" in "all"`` is False)."""
+    from transformers import AutoModelForCausalLM
+
+    from rpa.measure.parity import run_parity
+    from rpa.sides.engine import compile_cache_key, make_llm, make_llm_env, verify_plugin
+    from rpa.sides.trainer import align_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.bfloat16)
+    for loose in ("all", frozenset({"rope"})):
+        for call in (lambda: make_llm(str(tiny_dirs["qwen3"]), loose), lambda: make_llm_env(loose),
+                     lambda: verify_plugin(None, loose), lambda: compile_cache_key(loose),
+                     lambda: align_model(model, loose), lambda: run_parity(str(tiny_dirs["qwen3"]), loose)):
+            with pytest.raises(TypeError, match=r"takes a NumericsConfig, got .*NumericsConfig.from_dict"):
+                call()
+    assert getattr(model, "_rpa_alignment", None) is None
+    for bad in ("all", {"rope"}, frozenset({"rope", "attention"})):
+        with pytest.raises(NumericsConfigError, match="region"):
+            NumericsConfig(regions=bad)
 
 
 def test_every_option_of_every_config_dataclass_has_its_help():

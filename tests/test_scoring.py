@@ -11,12 +11,13 @@ SCRIPT = """
 import json, resource, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from rpa.measure.scoring import token_logps_and_entropy
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import align_model
 torch.manual_seed(0)
 config = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
 model = Qwen3ForCausalLM(config).eval()
-align_model(model, "all")
+align_model(model, NumericsConfig.from_dict({"regions": "all"}))
 ids = torch.randint(3, 151936, (16, 320))
 mask = torch.ones_like(ids)
 chunk = int(sys.argv[1])
@@ -46,11 +47,12 @@ def test_chunked_training_scores_equal_the_plain_forward(tiny_dirs):
     the BF16 rounding of the LM-head weight gradient, which is summed per chunk."""
     from transformers import AutoModelForCausalLM
 
+    from rpa.core.numerics_config import NumericsConfig
     from rpa.measure.scoring import token_logps_and_entropy
     from rpa.sides.trainer import align_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32)
-    align_model(model, "all")
+    align_model(model, NumericsConfig.from_dict({"regions": "all"}))
     ids = torch.randint(3, 500, (4, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     grads = []
@@ -131,11 +133,11 @@ def test_aligned_full_training_forward_of_a_sequence_does_not_depend_on_its_padd
 
     from rpa.core.numerics_config import NumericsConfig
     from rpa.measure.scoring import token_logps_and_entropy, token_logps_and_entropy_per_row
-    from rpa.sides.trainer import align_for
+    from rpa.sides.trainer import align_model
 
     config = NumericsConfig.from_dict({"regions": "all", "trainer_attention": "fp32", "trainer_positions": "mask"})
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32, attn_implementation="sdpa")
-    align_for(config, model)
+    align_model(model, config)
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(3, 500, (6 + 5,), generator=gen)  # a 6-token prompt, 5 completion tokens
     completion = 8
@@ -151,8 +153,8 @@ def test_aligned_full_training_forward_of_a_sequence_does_not_depend_on_its_padd
         return rows, mask
 
     stock = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32, attn_implementation="sdpa")
-    align_for(NumericsConfig.from_dict({"regions": "all", "trainer_attention": "fp32",
-                                        "trainer_positions": "stock"}), stock)
+    align_model(stock, NumericsConfig.from_dict({"regions": "all", "trainer_attention": "fp32",
+                                                 "trainer_positions": "stock"}))
     got, padded = [], []
     for left, others in ((0, 1), (7, 3), (19, 2)):
         ids, mask = batch(left, others)

@@ -266,7 +266,7 @@ def test_positions_are_an_independent_option(tiny_dirs):
     from transformers import AutoModelForCausalLM
 
     from rpa.core.numerics_config import NumericsConfig
-    from rpa.sides.trainer import align_for
+    from rpa.sides.trainer import align_model
     from rpa.measure.scoring import trainer_batch_logprobs, trainer_logprobs
 
     g = torch.Generator().manual_seed(1)
@@ -278,7 +278,7 @@ def test_positions_are_an_independent_option(tiny_dirs):
                            "none-stock": {"regions": "none", "trainer_positions": "stock"},
                            "rope-stock": {"regions": "rope", "trainer_positions": "stock"},
                            "rope-auto": {"regions": "rope"}}.items():
-        with align_for(NumericsConfig.from_dict(numerics), model):
+        with align_model(model, NumericsConfig.from_dict(numerics)):
             single = [trainer_logprobs(model, c["prompt_ids"], c["completion_ids"]) for c in comps]
             same[name] = single == trainer_batch_logprobs(model, comps, pad_id=0)
     assert same == {"none-mask": True, "none-stock": False, "rope-stock": False, "rope-auto": True}

@@ -278,14 +278,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rpa.sides.engine import make_llm
 from rpa.measure.scoring import sync_gap
 from rpa.sides.trainer import align_model
+from rpa.core.numerics_config import NumericsConfig
 out = {str(out)!r}
-llm = make_llm(out + "/init_model", "all")
+aligned = NumericsConfig.from_dict({{"regions": "all"}})
+llm = make_llm(out + "/init_model", aligned)
 tok = AutoTokenizer.from_pretrained(out + "/init_model")
 ids = tok("What is 3 + 4? Answer: 7 and then some more words", add_special_tokens=False).input_ids
 res = {{}}
 for name in ("init_model", "checkpoint-6"):
     m = AutoModelForCausalLM.from_pretrained(out + "/" + name, dtype=torch.bfloat16)
-    with align_model(m, "all"):
+    with align_model(m, aligned):
         res[name] = sync_gap(llm, m, ids)[0]
 print(json.dumps(res))
 """

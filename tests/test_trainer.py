@@ -4,9 +4,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
+from rpa.core.numerics_config import NumericsConfig
 from rpa.sides.trainer import UnsupportedModelError, align_model, positions_from_mask
 
 REGION_SETS = ["none", "rope", "swiglu", "rmsnorm", "rope,swiglu", "all"]
+
+
+def numerics(regions, **options):
+    """The configuration a config's ``numerics: {regions: ..., **options}`` reads to."""
+    return NumericsConfig.from_dict({"regions": regions, **options})
 
 
 def load(path, dtype=torch.bfloat16):
@@ -32,7 +38,7 @@ def fp32_master_and_bf16_copy(path):
 def test_fp32_master_gives_bf16_copy_logits_bitwise(tiny_dirs, arch, regions):
     m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
     ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
-    with align_model(m32, regions), align_model(m16, regions), torch.no_grad():
+    with align_model(m32, numerics(regions)), align_model(m16, numerics(regions)), torch.no_grad():
         a, b = m32(ids).logits, m16(ids).logits
     assert a.dtype == torch.float32 and b.dtype == torch.bfloat16  # logits in the parameter dtype
     assert torch.equal(a, b.float())  # BF16 compute; the upcast is exact
@@ -69,7 +75,7 @@ def test_left_padding_does_not_shift_rope(tiny_dirs, arch):
     n_pad = len(long_seq) - len(short_seq)
     batch = torch.tensor([long_seq, [pad] * n_pad + short_seq])
     mask = torch.tensor([[1] * len(long_seq), [0] * n_pad + [1] * len(short_seq)])
-    with align_model(model, "all"):
+    with align_model(model, numerics("all")):
         padded = logprobs(model, batch, mask)
         alone = logprobs(model, torch.tensor([short_seq]))
         alone_long = logprobs(model, torch.tensor([long_seq]))
@@ -84,7 +90,7 @@ def test_remove_restores_stock_forward(tiny_dirs, arch):
     model = load(tiny_dirs[arch])
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(1))
     stock = logprobs(model, ids)
-    handle = align_model(model, "all")
+    handle = align_model(model, numerics("all"))
     aligned = logprobs(model, ids)
     handle.remove()
     assert not handle.active
@@ -96,9 +102,9 @@ def test_remove_restores_stock_forward(tiny_dirs, arch):
 
 def test_double_alignment_is_refused(tiny_dirs):
     model = load(tiny_dirs["qwen2"])
-    with align_model(model, "rope"):
+    with align_model(model, numerics("rope")):
         with pytest.raises(RuntimeError, match="already aligned"):
-            align_model(model, "all")
+            align_model(model, numerics("all"))
 
 
 def grads(model, ids, checkpointing=False):
@@ -116,7 +122,7 @@ def test_gradients_match_fp32_reference_and_survive_checkpointing(tiny_dirs, arc
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = grads(load(tiny_dirs[arch], torch.float32), ids)
     model = load(tiny_dirs[arch], torch.float32)  # FP32 master, BF16 compute
-    with align_model(model, "all"):
+    with align_model(model, numerics("all")):
         aligned = grads(model, ids)
         checkpointed = grads(model, ids, checkpointing=True)
     for name, ref in reference.items():
@@ -141,7 +147,7 @@ def test_aligned_gradients_are_no_further_from_fp32_than_stock_bf16s(tiny_dirs, 
     errors = {}
     for regions in ("none", "all"):
         model = load(tiny_dirs[arch], torch.float32)  # FP32 master, BF16 compute
-        with align_model(model, regions):
+        with align_model(model, numerics(regions)):
             errors[regions] = ((flat(grads(model, ids)) - reference).norm() / reference.norm()).item()
     assert 0 < errors["all"] <= errors["none"], errors
 
@@ -150,7 +156,7 @@ def test_unsupported_architecture_is_refused():
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=2)
     with pytest.raises(UnsupportedModelError, match="Qwen2/Qwen3/Llama.*mistral.*Supported: qwen2.*llama"):
-        align_model(MistralForCausalLM(config), "all")
+        align_model(MistralForCausalLM(config), numerics("all"))
 
 
 def test_a_sliced_llama_projection_is_refused(tiny_dirs):
@@ -158,19 +164,19 @@ def test_a_sliced_llama_projection_is_refused(tiny_dirs):
     model = load(tiny_dirs["llama"])
     model.config.pretraining_tp = 2
     with pytest.raises(UnsupportedModelError, match="pretraining_tp 2"):
-        align_model(model, "all")
+        align_model(model, numerics("all"))
 
 
 def test_unsupported_rope_scaling_is_refused(tiny_dirs):
     model = load(tiny_dirs["qwen2"])
     model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'.*supported: default"):
-        align_model(model, "rope")
+        align_model(model, numerics("rope"))
 
 
-def test_bad_region_name_is_refused(tiny_dirs):
+def test_bad_region_name_is_refused():
     with pytest.raises(ValueError, match="unknown region"):
-        align_model(load(tiny_dirs["qwen3"]), "rope,attention")
+        numerics("rope,attention")  # read where the text comes in, before a model is touched
 
 
 def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
@@ -186,7 +192,7 @@ def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
         table = numerics.rope_table(10000.0, 32, 1024)
     assert table.device.type == "cpu" and torch.equal(table, numerics.rope_table(10000.0, 32, 1024))
     model = load(tiny_dirs["qwen3"])
-    with align_model(model, "rope"):
+    with align_model(model, numerics("rope")):
         trainer = model.model.rotary_emb.rpa_cos_sin_bits.view(torch.float32)
         assert torch.equal(trainer, rope_table(model.config))
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -219,7 +225,8 @@ def test_fp32_attention_rounds_once_and_leaves_with_the_patch(tiny_dirs, arch):
     m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
     ids = torch.randint(3, 500, (2, 13), generator=g)
     before = m16.config._attn_implementation
-    with align_model(m32, "all", attention_fp32=True) as a32, align_model(m16, "all", attention_fp32=True):
+    fp32_attention = numerics("all", trainer_attention="fp32")
+    with align_model(m32, fp32_attention) as a32, align_model(m16, fp32_attention):
         assert a32.describe()["attention"] == "fp32"
         with torch.no_grad():
             assert torch.equal(m32(ids).logits, m16(ids).logits.float())
@@ -240,7 +247,7 @@ def test_fp32_attention_masks_the_padding(tiny_dirs, arch):
     mask[0, :5] = 0
     other = ids.clone()
     other[0, :5] = torch.randint(3, 500, (5,), generator=g)  # other pad contents
-    with align_model(model, "all", attention_fp32=True), torch.no_grad():
+    with align_model(model, numerics("all", trainer_attention="fp32")), torch.no_grad():
         a = model(ids, attention_mask=mask).logits
         b = model(other, attention_mask=mask).logits
     assert torch.equal(a[0, 5:], b[0, 5:]) and torch.equal(a[1], b[1])

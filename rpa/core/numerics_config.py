@@ -18,7 +18,11 @@ Both sides load the same checkpoint and cast it to their dtype themselves, so th
 the same weights. Invalid combinations raise :class:`NumericsConfigError` naming the
 problem. This module is data: it imports no torch at import time, and what builds a model or
 an engine from a configuration lives with the side that builds it (:func:`rpa.sides.trainer.load_trainer_model`,
-:func:`rpa.sides.trainer.align_for`, :func:`rpa.sides.engine.make_llm`).
+:func:`rpa.sides.trainer.align_model`, :func:`rpa.sides.engine.make_llm`).
+
+Past the CLI / config boundary the region set travels only as this value: the sides' entry points
+take a :class:`NumericsConfig`, and its text, label and environment forms are
+:mod:`rpa.core.regions`' one function each.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Literal
 
 from rpa.core.errors import UserError
 from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, typed
-from rpa.core.regions import RegionError, format_regions, parse_regions
+from rpa.core.regions import RegionError, check_regions, format_regions, parse_regions
 
 # The enumerated options: each a ``Literal`` type, checked once where values are coerced
 # (rpa.core.fieldtypes) and in __post_init__ by the same function; the tuples are their values.
@@ -129,6 +133,10 @@ class NumericsConfig:
     trainer's is FP32 anyway): the FP32-head point of an FP32 trainer."""
 
     def __post_init__(self) -> None:
+        try:
+            check_regions(self.regions)  # a frozenset: text is read by from_dict, not stored as a str
+        except RegionError as err:
+            raise NumericsConfigError(str(err)) from None
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise NumericsConfigError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
         check_choices(self, NumericsConfigError)  # precision, trainer_mode, trainer_positions, _attention, aligned_sides
@@ -301,6 +309,15 @@ class NumericsConfig:
         if self.lm_head_fp32:
             kwargs["hf_overrides"] = {"head_dtype": "float32"}
         return kwargs
+
+
+def require_numerics(value: Any, where: str) -> NumericsConfig:
+    """``value`` when it is a :class:`NumericsConfig`, else ``TypeError``: the sides' entry points
+    (``where``) take the configuration, never a region set's text or a bare set."""
+    if not isinstance(value, NumericsConfig):
+        raise TypeError(f"{where} takes a NumericsConfig, got {value!r} ({type(value).__name__}); build one with "
+                        f"NumericsConfig.from_dict({{'regions': ...}}) (text is read once, at the CLI or the config)")
+    return value
 
 
 def sampler_device_type() -> str:

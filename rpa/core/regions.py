@@ -1,10 +1,20 @@
 """Region sets: which of the three rounding regions are aligned.
 
-A region set is data. Its text form is ``none``, ``all`` or a comma-separated subset of
-:data:`REGIONS`; :func:`parse_regions` is the only place that reads it.
+A region set is data: a ``frozenset`` of names from :data:`REGIONS`, held by
+:attr:`rpa.core.numerics_config.NumericsConfig.regions` past the CLI / config boundary. Its forms
+are all here, one function each:
+
+* text (configs, CLI, job files, reports): ``none``, ``all`` or a comma-separated subset --
+  :func:`parse_regions` reads it (the only parse), :func:`format_regions` writes it (the only format);
+* the file-system label (directory and cache names, ``rope+swiglu``): :func:`region_label`, the text
+  form with ``+`` for ``,``;
+* the environment variable :data:`ENV_VAR` that carries the vLLM sampler's set into every vLLM
+  process: :func:`to_env` writes it, :func:`from_env` reads it back.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from rpa.core.errors import UserError
 
@@ -50,8 +60,22 @@ def parse_regions(spec: str | None) -> frozenset[str]:
     return frozenset(names)
 
 
-def format_regions(regions: frozenset[str] | set[str]) -> str:
+def check_regions(regions: frozenset[str]) -> frozenset[str]:
+    """``regions`` when it is a region set (a ``frozenset`` of names of :data:`REGIONS`), else
+    :class:`RegionError`: text (``"all"``) is read by :func:`parse_regions`, not taken as a set."""
+    if not isinstance(regions, frozenset):
+        raise RegionError(f"a region set is a frozenset of names of {', '.join(REGIONS)}, got {regions!r} "
+                          f"({type(regions).__name__}); read text with parse_regions or NumericsConfig.from_dict")
+    unknown = sorted(set(regions) - set(REGIONS))
+    if unknown:
+        raise RegionError(f"unknown region(s) {', '.join(map(repr, unknown))} in {set(regions)!r}; "
+                          f"valid: {', '.join(REGIONS)}")
+    return regions
+
+
+def format_regions(regions: frozenset[str]) -> str:
     """The canonical text form of a region set (inverse of :func:`parse_regions`)."""
+    check_regions(regions)
     if not regions:
         return "none"
     if set(regions) == set(REGIONS):
@@ -59,7 +83,22 @@ def format_regions(regions: frozenset[str] | set[str]) -> str:
     return ",".join(r for r in REGIONS if r in regions)
 
 
-def region_label(regions: str | frozenset[str] | set[str]) -> str:
+def region_label(regions: frozenset[str]) -> str:
     """File-system form of a region set (``rope,swiglu`` -> ``rope+swiglu``): directory and cache names."""
-    text = format_regions(parse_regions(regions) if isinstance(regions, str) else regions)
-    return text.replace(",", "+")
+    return format_regions(regions).replace(",", "+")
+
+
+ENV_VAR = "RPA_REGIONS"
+"""The environment variable that carries the sampler's region set into every vLLM process
+(:mod:`rpa.sides.vllm_plugin` reads it, :func:`rpa.sides.engine.make_llm_env` writes it)."""
+
+
+def to_env(regions: frozenset[str]) -> dict[str, str]:
+    """The environment that carries ``regions``: ``{ENV_VAR: text form}``."""
+    return {ENV_VAR: format_regions(regions)}
+
+
+def from_env(environ: Mapping[str, str]) -> frozenset[str]:
+    """The region set :func:`to_env` wrote into ``environ``; unset or empty means ``none`` (stock vLLM)."""
+    value = environ.get(ENV_VAR)
+    return parse_regions(value if value and value.strip() else None)

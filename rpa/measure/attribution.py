@@ -257,8 +257,9 @@ class _Tally:
                 "rel_mean_abs_diff": self.abs_sum / self.ref_sum if self.ref_sum else None}
 
 
-def replay_op(hf_model, arch, op: str, layer: int, args: tuple, output, regions: frozenset[str]):
-    """The trainer's result of ``op`` on vLLM's inputs ``args``, and vLLM's own (as comparable tensors)."""
+def replay_op(hf_model, arch, op: str, layer: int, args: tuple, output, numerics: NumericsConfig):
+    """The trainer's result of ``op`` on vLLM's inputs ``args``, and vLLM's own (as comparable tensors);
+    ``numerics``: the configuration the trainer was aligned to (its trainer-side regions)."""
     import torch
 
     decoder = hf_model.model
@@ -281,7 +282,7 @@ def replay_op(hf_model, arch, op: str, layer: int, args: tuple, output, regions:
         return torch.cat([mlp.gate_proj(args[0]), mlp.up_proj(args[0])], -1), output[0]
     if op == "swiglu":
         gate, up = args[0].chunk(2, dim=-1)
-        if "swiglu" in regions:
+        if "swiglu" in numerics.trainer_regions:
             from rpa.core import ops
 
             return ops.swiglu(gate.contiguous(), up.contiguous()), output
@@ -312,7 +313,7 @@ def replay_op(hf_model, arch, op: str, layer: int, args: tuple, output, regions:
     raise ValueError(f"unknown op {op!r}")
 
 
-def local_divergence(llm, vllm, hf_model, arch, sequences: list[list[int]], regions: frozenset[str]) -> list[dict]:
+def local_divergence(llm, vllm, hf_model, arch, sequences: list[list[int]], numerics: NumericsConfig) -> list[dict]:
     """:data:`LOCAL_COLUMNS` rows: per layer and op, the trainer's op fed vLLM's inputs vs vLLM's
     output, over ``sequences`` (each captured from its own vLLM prefill)."""
     import torch
@@ -321,7 +322,7 @@ def local_divergence(llm, vllm, hf_model, arch, sequences: list[list[int]], regi
     with torch.no_grad():
         for ids in sequences:
             for (layer, op), (args, output) in capture_vllm_ops(llm, vllm, ids).items():
-                got, want = replay_op(hf_model, arch, op, layer, args, output, regions)
+                got, want = replay_op(hf_model, arch, op, layer, args, output, numerics)
                 pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
                 for part, (g, w) in enumerate(pairs):
                     name = op if part == 0 else op.replace("_norm", "_add")  # a norm's second output: the residual
@@ -401,7 +402,7 @@ def run_attribution(model: str, numerics: NumericsConfig, out_dir: str | Path, c
 
         local = local_divergence(llm, vllm, hf, check_supported(hf), [c["prompt_ids"] + c["completion_ids"]
                                                                       for c in completions[: options.local_sequences]],
-                                 numerics.trainer_regions)
+                                 numerics)
     trainer_record = alignment.describe()
     alignment.remove()
     close_llm(llm)

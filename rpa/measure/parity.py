@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rpa.core.fieldtypes import check_choices, choices
 from rpa.core.jsonfiles import write_json
-from rpa.core.numerics_config import PRECISIONS
-from rpa.core.regions import REGIONS, format_regions, parse_regions
+from rpa.core.numerics_config import PRECISIONS, NumericsConfig
+from rpa.core.regions import REGIONS, format_regions
 
 if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's parser imports this module)
     import torch
@@ -153,7 +153,7 @@ def _logprob_gap(a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
             "frac_bitwise_equal": float((d == 0).double().mean())}
 
 
-def _engine_logprobs(model_dir: str, numerics, batch, **engine_kwargs) -> list[list[float]]:
+def _engine_logprobs(model_dir: str, numerics: NumericsConfig, batch, **engine_kwargs) -> list[list[float]]:
     """Prompt logprobs of ``batch`` from a fresh engine (in this process; the previous one
     must be gone)."""
     from rpa.sides import engine
@@ -167,32 +167,30 @@ def _engine_logprobs(model_dir: str, numerics, batch, **engine_kwargs) -> list[l
     return logprobs
 
 
-def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
+def run_parity(model_dir: str, numerics: NumericsConfig, out_path: str | Path | None = None,
                options: ParityOptions | None = None) -> dict[str, Any]:
     """Run the check and write the report; ``report["passed"]`` is the verdict.
 
-    ``numerics``: a :class:`~rpa.core.numerics_config.NumericsConfig` (regions, device) or a
-    region set; ``options``: :class:`ParityOptions` (default: eager, in-process, BF16 trainer
-    weights). The replay check needs the aligned ops' Python bodies to run, so its engine
-    never replays CUDA graphs (eager, or compiled with CUDA graphs off). With ``compiled``,
-    the compiled engine is also checked as a whole: with every region aligned its prompt logprobs
-    must equal an eager engine's bit for bit (with CUDA graphs on as well, on a CUDA machine); with
-    a partial set the gap is reported, not gated (the stock regions are fused differently).
+    ``numerics``: a :class:`~rpa.core.numerics_config.NumericsConfig` (regions, device);
+    ``options``: :class:`ParityOptions` (default: eager, in-process, BF16 trainer weights). The
+    replay check needs the aligned ops' Python bodies to run, so its engine never replays CUDA
+    graphs (eager, or compiled with CUDA graphs off). With ``compiled``, the compiled engine is also
+    checked as a whole: with every region aligned its prompt logprobs must equal an eager engine's
+    bit for bit (with CUDA graphs on as well, on a CUDA machine); with a partial set the gap is
+    reported, not gated (the stock regions are fused differently).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpa.sides import engine
-    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.numerics_config import require_numerics
     from rpa.core.provenance import provenance
     from rpa.measure.scoring import sampler_logprobs, trainer_logprobs
     from rpa.sides.trainer import align_model
 
     options = options or ParityOptions()
     compiled, multiprocess, trainer_dtype = options.compiled, options.multiprocess, options.trainer_dtype
-    if not isinstance(numerics, NumericsConfig):
-        numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
-    regions = numerics.regions
+    regions = require_numerics(numerics, "run_parity").regions
     if not regions:
         raise ValueError("parity needs at least one aligned region ('none' has nothing to check)")
     device = numerics.check_device()
@@ -236,7 +234,7 @@ def run_parity(model_dir: str, numerics, out_path: str | Path | None = None,
         report["compiled_vs_eager"] = check
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, PRECISIONS[trainer_dtype])).to(device)
-    with align_model(hf, regions):
+    with align_model(hf, numerics):
         report["regions_report"] = {r: v for r, v in replay(captured, hf).items() if r in regions}
         hf_logprobs = [trainer_logprobs(hf, ids[:1], ids[1:]) for ids in batch]
     report["logprobs"] = _logprob_gap(hf_logprobs, vllm_logprobs)

@@ -1,8 +1,9 @@
 """Starting vLLM with a region set, and checking from inside its workers that it took.
 
-The region set reaches every vLLM process through :data:`rpa.sides.vllm_plugin.ENV_VAR`; it is
-fixed per process (see :mod:`rpa.sides.vllm_plugin`). :func:`make_llm` sets it, starts the
-engine and runs :func:`verify_plugin`, which fails closed.
+The region set reaches every vLLM process through :data:`rpa.core.regions.ENV_VAR`
+(:func:`rpa.core.regions.to_env`); it is fixed per process (see :mod:`rpa.sides.vllm_plugin`).
+:func:`make_llm` sets it, starts the engine and runs :func:`verify_plugin`, which fails closed.
+Every entry point here takes a :class:`~rpa.core.numerics_config.NumericsConfig`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rpa.core.numerics_config import perturbation_label
-from rpa.core.regions import REGIONS, format_regions, parse_regions, region_label
-from rpa.sides.vllm_plugin import ENV_VAR, PERTURB_ENV
+from rpa.core.numerics_config import NumericsConfig, perturbation_label, require_numerics
+from rpa.core.regions import REGIONS, format_regions, region_label, to_env
+from rpa.sides.vllm_plugin import PERTURB_ENV
 
 
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -84,11 +85,13 @@ def stop_capture(llm) -> list[dict[str, Any]]:
     return [call for calls in llm.collective_rpc(_worker_stop_capture) for call in calls]
 
 
-def verify_plugin(llm, regions: frozenset[str], perturbation: int | None = None) -> list[dict[str, Any]]:
-    """Fail closed unless every worker aligns exactly ``regions`` in every matching layer and
-    perturbs the sampler exactly as requested (``perturbation``: mantissa bits, or None)."""
+def verify_plugin(llm, numerics: NumericsConfig) -> list[dict[str, Any]]:
+    """Fail closed unless every worker aligns exactly the sampler's regions of ``numerics`` in every
+    matching layer and perturbs the sampler exactly as it asks (its mantissa bits, or none)."""
     from rpa.core.ops import backend_report
 
+    numerics = require_numerics(numerics, "verify_plugin")
+    regions, perturbation = numerics.sampler_process_key
     statuses = worker_status(llm)
     want = format_regions(regions)
     kernels = backend_report()
@@ -135,8 +138,8 @@ def cache_base() -> str:
     return os.environ.get(CACHE_BASE_ENV) or os.environ.get("VLLM_CACHE_ROOT", default)
 
 
-def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) -> str:
-    """What vLLM's compile-cache key lacks: the region set and the kernel backend.
+def compile_cache_key(numerics: NumericsConfig) -> str:
+    """What vLLM's compile-cache key lacks: the sampler's region set (and dose) and the kernel backend.
 
     vLLM (torch >= 2.10) caches compiled graphs under ``VLLM_CACHE_ROOT`` keyed by its
     config, its environment variables and the traced source files -- not by ``RPA_REGIONS``
@@ -145,61 +148,52 @@ def compile_cache_key(regions: frozenset[str], perturbation: int | None = None) 
     """
     from rpa.core.ops import backend_report
 
+    regions, perturbation = require_numerics(numerics, "compile_cache_key").sampler_process_key
     kernels = backend_report()
     dose = "" if perturbation is None else f"-{perturbation_label(perturbation)}"
     return f"rpa-{region_label(regions)}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
 
 
-def make_llm_env(numerics, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
+def make_llm_env(numerics: NumericsConfig, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
     """Set the environment a vLLM engine started after this call in this process reads, for a
-    :class:`~rpa.core.numerics_config.NumericsConfig` (or a bare region set): the plugin's region
-    set and sampler perturbation, their compile-cache root (:func:`compile_cache_key`),
-    in-process or multiprocess engine core, CPU KV-cache size."""
-    from rpa.core.numerics_config import NumericsConfig
-
-    if not isinstance(numerics, NumericsConfig):
-        numerics = NumericsConfig(regions=numerics)
-    regions, bits = numerics.sampler_regions, numerics.mantissa_bits
-    os.environ[ENV_VAR] = format_regions(regions)
+    :class:`~rpa.core.numerics_config.NumericsConfig`: the plugin's region set
+    (:func:`rpa.core.regions.to_env`) and sampler perturbation, their compile-cache root
+    (:func:`compile_cache_key`), in-process or multiprocess engine core, CPU KV-cache size."""
+    regions, bits = require_numerics(numerics, "make_llm_env").sampler_process_key
+    os.environ.update(to_env(regions))
     os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
     os.environ[CACHE_BASE_ENV] = cache_base()
-    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(regions, bits))
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(numerics))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     # collective_rpc ships the status/capture callables to the engine process by pickle.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 
 
-def make_llm(model: str, numerics, *, enforce_eager: bool = True, multiprocess: bool = False, seed: int = 0,
-             max_model_len: int = DEFAULT_MAX_MODEL_LEN, kv_cache_gib: int = 1, **llm_kwargs):
-    """A ``vllm.LLM`` for a :class:`~rpa.core.numerics_config.NumericsConfig` (or a bare region set,
-    BF16): its plugin aligns the regions, verified in every worker; dtype and LM-head dtype
-    come from the configuration.
+def make_llm(model: str, numerics: NumericsConfig, *, enforce_eager: bool = True, multiprocess: bool = False,
+             seed: int = 0, max_model_len: int = DEFAULT_MAX_MODEL_LEN, kv_cache_gib: int = 1, **llm_kwargs):
+    """A ``vllm.LLM`` for a :class:`~rpa.core.numerics_config.NumericsConfig`: its plugin aligns the
+    sampler's regions, verified in every worker; dtype and LM-head dtype come from the configuration.
 
     ``multiprocess=False`` runs the engine in this process (fast start); ``True`` uses
     vLLM's default engine-core process (callers then need an ``if __name__ ==
     "__main__"`` guard).
     """
-    from rpa.core.numerics_config import NumericsConfig
-
-    if not isinstance(numerics, NumericsConfig):
-        numerics = NumericsConfig(regions=parse_regions(numerics) if isinstance(numerics, str) else numerics)
-    regions = numerics.sampler_regions
-    want = format_regions(regions)
     from rpa.sides import vllm_plugin
 
-    loaded = (format_regions(vllm_plugin._STATE["regions"]), vllm_plugin._STATE["perturbation"])
-    if vllm_plugin._STATE["loaded"] and loaded != (want, numerics.mantissa_bits):
+    want = require_numerics(numerics, "make_llm").sampler_process_key
+    loaded = (vllm_plugin._STATE["regions"], vllm_plugin._STATE["perturbation"])
+    if vllm_plugin._STATE["loaded"] and loaded != want:
         raise PluginNotActiveError(
-            f"this process already loaded the rpa plugin with regions {loaded[0]!r} and sampler perturbation "
-            f"{loaded[1]!r}; {want!r} / {numerics.mantissa_bits!r} needs a new process"
+            f"this process already loaded the rpa plugin with regions {format_regions(loaded[0])!r} and sampler "
+            f"perturbation {loaded[1]!r}; {format_regions(want[0])!r} / {want[1]!r} needs a new process"
         )
     make_llm_env(numerics, multiprocess=multiprocess, kv_cache_gib=kv_cache_gib)
     from vllm import LLM
 
     llm = LLM(model=model, enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
               **{**numerics.vllm_kwargs(), **llm_kwargs})
-    verify_plugin(llm, regions, numerics.mantissa_bits)
+    verify_plugin(llm, numerics)
     return llm
 
 

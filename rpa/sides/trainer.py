@@ -16,19 +16,21 @@ the RoPE lookup needs no host sync. Before every forward the handle re-checks th
 (``resize_token_embeddings``) get the same patch, and a parameter dtype the compute mode
 cannot follow (``model.half()``) is refused.
 
+What to align comes as one :class:`~rpa.core.numerics_config.NumericsConfig` (its trainer side).
 Two compute modes:
 
-* ``compute_dtype=torch.bfloat16`` (default), the study's BF16 baseline. BF16 parameters
-  are used as they are. FP32 master parameters (TRL's default) are cast to BF16 inside
-  every Linear, Embedding and RMSNorm forward, as FSDP ``MixedPrecision(param_dtype=bf16)``
-  does, so the residual stream and every activation are BF16; gradients still reach the
-  FP32 masters. With region set ``all``, such a model gives bit-identical logits to a
-  BF16 copy of itself. Logits come back in the parameter dtype (the upcast is exact).
-* ``compute_dtype=None``: parameters and autocast are left as the caller has them (TRL's
+* ``trainer_mode: compute`` (default), the study's BF16 baseline. Parameters at the trainer's
+  compute dtype (BF16) are used as they are. FP32 master parameters (TRL's default) are cast to
+  BF16 inside every Linear, Embedding and RMSNorm forward, as FSDP
+  ``MixedPrecision(param_dtype=bf16)`` does, so the residual stream and every activation are BF16;
+  gradients still reach the FP32 masters. With region set ``all``, such a model gives
+  bit-identical logits to a BF16 copy of itself. Logits come back in the parameter dtype (the
+  upcast is exact).
+* ``trainer_mode: autocast``: parameters and autocast are left as the caller has them (TRL's
   FP32-master + autocast numerics); only the chosen regions are rewired.
 
-Positions: with ``positions_from_mask`` (default: when RoPE is aligned), a forward without
-``position_ids`` takes them from the attention mask, so a left-padded sequence sees the
+Positions: with ``positions_from_mask`` (``trainer_positions: auto``: when RoPE is aligned), a forward
+without ``position_ids`` takes them from the attention mask, so a left-padded sequence sees the
 same RoPE positions as it does alone (TRL left-pads and passes none; vLLM counts from the
 first real token).
 """
@@ -49,7 +51,8 @@ from torch import Tensor, nn
 
 from rpa.core import numerics, ops
 from rpa.core.errors import UserError
-from rpa.core.regions import format_regions, parse_regions
+from rpa.core.numerics_config import NumericsConfig, require_numerics
+from rpa.core.regions import format_regions
 
 @dataclass(frozen=True)
 class Architecture:
@@ -431,20 +434,26 @@ def rope_table(config) -> Tensor:
     return numerics.rope_table(config.rope_parameters["rope_theta"], head_dim, config.max_position_embeddings)
 
 
-def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
-                compute_dtype: torch.dtype | None = torch.bfloat16, lm_head_fp32: bool = False,
-                positions_from_mask: bool | None = None, attention_fp32: bool = False) -> TrainerAlignment:
-    """Align ``model`` (a HF Qwen2/Qwen3/Llama model, :data:`ARCHITECTURES`) in ``regions``; see the
-    module doc.
-
-    ``lm_head_fp32`` runs the LM head in FP32 on FP32 copies of its (compute-dtype)
-    weights, outside autocast: the FP32-LM-head comparison point, not part of the regions.
-    ``positions_from_mask``: take RoPE positions from the attention mask when none are
-    passed (left padding does not shift them); default: when ``rope`` is aligned.
-    ``attention_fp32``: attention through :func:`fp32_attention` (FP32 intermediates, one rounding).
+def align_model(model: nn.Module, numerics: NumericsConfig) -> TrainerAlignment:
+    """Align ``model`` (a HF Qwen2/Qwen3/Llama model, :data:`ARCHITECTURES`) as the trainer side of
+    ``numerics`` (a :class:`~rpa.core.numerics_config.NumericsConfig`, BF16 or FP32 masters); see the
+    module doc. From the configuration: its trainer-side regions; the compute dtype (the trainer's,
+    ``trainer_torch_dtype``: FP32 with ``trainer_precision: fp32``; none in autocast mode);
+    ``lm_head_fp32`` (the LM head in FP32 on FP32 copies of its compute-dtype weights, outside
+    autocast: the FP32-LM-head comparison point, not part of the regions); RoPE positions
+    (``trainer_positions``: from the attention mask when none are passed, so left padding does not
+    shift them; ``auto``: when ``rope`` is aligned); ``trainer_attention: fp32`` (attention through
+    :func:`fp32_attention`: FP32 intermediates, one rounding).
     """
-    if isinstance(regions, str):
-        regions = parse_regions(regions)
+    numerics = require_numerics(numerics, "align_model")
+    autocast = numerics.trainer_mode == "autocast"
+    return _align(model, numerics.trainer_regions, None if autocast else numerics.trainer_torch_dtype(),
+                  numerics.lm_head_fp32, numerics.positions_from_mask, numerics.trainer_attention == "fp32")
+
+
+def _align(model: nn.Module, regions: frozenset[str], compute_dtype: torch.dtype | None, lm_head_fp32: bool,
+           positions_from_mask: bool, attention_fp32: bool) -> TrainerAlignment:
+    """:func:`align_model` on the settings its configuration resolved to."""
     arch = check_supported(model)
     if getattr(model, "_rpa_alignment", None) is not None:
         raise RuntimeError("model is already aligned; remove() the existing alignment first")
@@ -452,8 +461,6 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     if compute_dtype is not None and not param_dtypes <= {torch.float32, compute_dtype}:
         raise UnsupportedModelError(f"parameters are {sorted(map(str, param_dtypes))}; {compute_dtype} compute needs "
                                     f"{compute_dtype} or FP32 master parameters")
-    if positions_from_mask is None:
-        positions_from_mask = "rope" in regions
     handle = TrainerAlignment(model, regions, compute_dtype, lm_head_fp32, positions_from_mask)
     norm_cls, mlp_cls = arch.cls("RMSNorm"), arch.cls("MLP")
     cast = compute_dtype is not None  # a no-op for parameters already at the compute dtype
@@ -499,23 +506,9 @@ def align_model(model: nn.Module, regions: frozenset[str] | str = "all",
     return handle
 
 
-# ------------------------------------------------------------ from a numerics configuration
-
-
-def align_for(config, model: nn.Module) -> TrainerAlignment:
-    """:func:`align_model` for a :class:`~rpa.core.numerics_config.NumericsConfig` on a HF model (BF16
-    or FP32 masters): its trainer-side regions, compute dtype (the trainer's, ``trainer_torch_dtype``:
-    FP32 with ``trainer_precision: fp32``; none in autocast mode), LM head and RoPE positions."""
-    autocast = config.trainer_mode == "autocast"
-    return align_model(model, config.trainer_regions,
-                       compute_dtype=None if autocast else config.trainer_torch_dtype(),
-                       lm_head_fp32=config.lm_head_fp32, positions_from_mask=config.positions_from_mask,
-                       attention_fp32=config.trainer_attention == "fp32")
-
-
 def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, TrainerAlignment]:
     """The HF model for ``config`` on its trainer device, at the trainer's dtype (FP32 masters in
-    autocast mode), aligned (:func:`align_for`), in eval mode. Returns ``(model, alignment)``; run
+    autocast mode), aligned (:func:`align_model`), in eval mode. Returns ``(model, alignment)``; run
     forwards inside :func:`trainer_context`."""
     from transformers import AutoModelForCausalLM
 
@@ -523,7 +516,7 @@ def load_trainer_model(config, model: str, **kwargs) -> tuple[nn.Module, Trainer
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if autocast else config.trainer_torch_dtype(),
                                               **kwargs).to(config.trainer_device())
     hf.eval()
-    return hf, align_for(config, hf)
+    return hf, align_model(hf, config)
 
 
 def trainer_context(config):

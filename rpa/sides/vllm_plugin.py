@@ -1,15 +1,15 @@
 """vLLM side: a ``vllm.general_plugins`` entry point that aligns the chosen regions.
 
 vLLM calls :func:`register` in every process it starts (main, engine core, workers).
-The region set comes from the environment variable :data:`ENV_VAR` (unset, empty or
-``none``: nothing is registered and vLLM runs stock). For each aligned region the plugin
-registers a subclass of the stock layer with ``CustomOp.register_oot``; the subclass
-overrides ``forward`` itself (so neither vLLM's per-platform dispatch nor its compiled /
-eager choice picks another path) and runs the shared ``torch.library`` custom ops of
-:mod:`rpa.core.ops` -- the same ops, hence the same kernels, as the trainer patch -- which
-Inductor treats as opaque: it cannot fuse across the rounding point, so eager and compiled
-runs agree bit for bit. The RoPE table is :func:`rpa.core.numerics.rope_table`, built on the CPU
-as the trainer builds it.
+The region set comes from the environment variable :data:`ENV_VAR`, read by
+:func:`rpa.core.regions.from_env` (unset, empty or ``none``: nothing is registered and vLLM runs
+stock). For each aligned region the plugin registers a subclass of the stock layer with
+``CustomOp.register_oot``; the subclass overrides ``forward`` itself (so neither vLLM's per-platform
+dispatch nor its compiled / eager choice picks another path) and runs the shared ``torch.library``
+custom ops of :mod:`rpa.core.ops` -- the same ops, hence the same kernels, as the trainer patch --
+which Inductor treats as opaque: it cannot fuse across the rounding point, so eager and compiled
+runs agree bit for bit. The RoPE table is :func:`rpa.core.numerics.rope_table`, built on the CPU as
+the trainer builds it.
 
 The region set is fixed per process: ``CustomOp.register_oot`` is global and vLLM caches
 rotary-embedding instances across engines. :func:`plugin_status` reports, from inside a
@@ -33,10 +33,8 @@ from torch import Tensor
 
 from rpa.core import numerics, ops
 from rpa.core.numerics_config import MANTISSA_BITS
-from rpa.core.regions import format_regions, parse_regions
+from rpa.core.regions import ENV_VAR, format_regions, from_env
 
-ENV_VAR = "RPA_REGIONS"
-"""Environment variable read by the plugin: ``none`` | ``all`` | ``rope,swiglu,rmsnorm`` subset."""
 PERTURB_ENV = "RPA_SAMPLER_PERTURBATION"
 """The positive control's dose (sampler only): unset/``none``, or ``mantissa_bits=K`` to round
 the outputs of the three regions' layers to K mantissa bits (:func:`rpa.core.numerics.round_mantissa`)."""
@@ -230,9 +228,8 @@ def register() -> None:
         return
     _STATE["loaded"] = True
     _STATE["pid"] = os.getpid()
-    spec = os.environ.get(ENV_VAR)
     try:
-        regions = parse_regions(spec if spec and spec.strip() else None)  # unset or empty: stock vLLM
+        regions = from_env(os.environ)  # unset or empty: stock vLLM
     except ValueError as err:
         _STATE["error"] = str(err)
         raise

@@ -319,9 +319,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
             tokenizer = AutoTokenizer.from_pretrained(init_dir)
             model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32,  # FP32 masters
                                                          attn_implementation=cfg.attn_implementation)
-            from rpa.sides.trainer import align_for
+            from rpa.sides.trainer import align_model
 
-            alignment = align_for(cfg.numerics, model)
+            alignment = align_model(model, cfg.numerics)
             described = alignment.describe()
             probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
             probe_tokens = cfg.sync_check.probe_tokens

@@ -374,9 +374,9 @@ class RpaGRPOTrainer(GRPOTrainer):
             # TRL (beta > 0) loads the KL reference from the checkpoint path as a stock model:
             # it must score in the same numerics as the policy, or the KL term measures the
             # numerics gap (at step 1 the two must agree bit for bit)
-            from rpa.sides.trainer import align_for
+            from rpa.sides.trainer import align_model
 
-            self.rpa_ref_alignment = align_for(rpa_config.numerics, self.accelerator.unwrap_model(self.ref_model))
+            self.rpa_ref_alignment = align_model(self.accelerator.unwrap_model(self.ref_model), rpa_config.numerics)
 
         self.rpa_evaluate = self.rpa_timings.wrap("evaluate", self.rpa_evaluate)
         if rpa_config.eval_every:
@@ -400,7 +400,7 @@ class RpaGRPOTrainer(GRPOTrainer):
 
         rpa_config = self.rpa_config
         llm = self.vllm_generation.llm
-        verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+        verify_plugin(llm, rpa_config.numerics)
         self._check_engine_config(llm)
         if not torch.cuda.is_available():
             self.vllm_generation.sync_weights = self._sync_weights_reload
@@ -410,7 +410,7 @@ class RpaGRPOTrainer(GRPOTrainer):
 
         def sync_and_check():
             stock_sync()
-            verify_plugin(llm, rpa_config.numerics.sampler_regions, rpa_config.numerics.mantissa_bits)
+            verify_plugin(llm, rpa_config.numerics)
             self.check_sync()
 
         self.vllm_generation.sync_weights = sync_and_check

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rpa.core.numerics_config import perturbation_label
-from rpa.core.regions import region_label
+from rpa.core.regions import parse_regions, region_label
 from rpa.core.yamlfiles import load_yaml
 from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, Group, SharedWarmStart, expand, group_cells
 from rpa.workflow.jobs import model_location
@@ -91,7 +91,7 @@ def train_spec(config: dict[str, Any]) -> dict[str, Any]:
     train = config["train"]
     return {"base": train["base"], "overrides": {"model": train["model"]}, "seeds": train["seeds"],
             "axes": {"setting": train["settings"],
-                     "regions": {region_label(r): {"numerics": {"regions": r}} for r in train["regions"]}},
+                     "regions": {region_label(parse_regions(r)): {"numerics": {"regions": r}} for r in train["regions"]}},
             "path": f"{train['model']}/{{setting}}/{{regions}}"}
 
 
