@@ -10,7 +10,7 @@ from rpa.sides.trainer import UnsupportedModelError, align_model, positions_from
 REGION_SETS = ["none", "rope", "swiglu", "rmsnorm", "rope,swiglu", "all"]
 
 
-def numerics(regions, **options):
+def numerics_config(regions, **options):
     """The configuration a config's ``numerics: {regions: ..., **options}`` reads to."""
     return NumericsConfig.from_dict({"regions": regions, **options})
 
@@ -38,7 +38,7 @@ def fp32_master_and_bf16_copy(path):
 def test_fp32_master_gives_bf16_copy_logits_bitwise(tiny_dirs, arch, regions):
     m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
     ids = torch.randint(3, 500, (3, 17), generator=torch.Generator().manual_seed(0))
-    with align_model(m32, numerics(regions)), align_model(m16, numerics(regions)), torch.no_grad():
+    with align_model(m32, numerics_config(regions)), align_model(m16, numerics_config(regions)), torch.no_grad():
         a, b = m32(ids).logits, m16(ids).logits
     assert a.dtype == torch.float32 and b.dtype == torch.bfloat16  # logits in the parameter dtype
     assert torch.equal(a, b.float())  # BF16 compute; the upcast is exact
@@ -75,7 +75,7 @@ def test_left_padding_does_not_shift_rope(tiny_dirs, arch):
     n_pad = len(long_seq) - len(short_seq)
     batch = torch.tensor([long_seq, [pad] * n_pad + short_seq])
     mask = torch.tensor([[1] * len(long_seq), [0] * n_pad + [1] * len(short_seq)])
-    with align_model(model, numerics("all")):
+    with align_model(model, numerics_config("all")):
         padded = logprobs(model, batch, mask)
         alone = logprobs(model, torch.tensor([short_seq]))
         alone_long = logprobs(model, torch.tensor([long_seq]))
@@ -90,7 +90,7 @@ def test_remove_restores_stock_forward(tiny_dirs, arch):
     model = load(tiny_dirs[arch])
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(1))
     stock = logprobs(model, ids)
-    handle = align_model(model, numerics("all"))
+    handle = align_model(model, numerics_config("all"))
     aligned = logprobs(model, ids)
     handle.remove()
     assert not handle.active
@@ -102,9 +102,9 @@ def test_remove_restores_stock_forward(tiny_dirs, arch):
 
 def test_double_alignment_is_refused(tiny_dirs):
     model = load(tiny_dirs["qwen2"])
-    with align_model(model, numerics("rope")):
+    with align_model(model, numerics_config("rope")):
         with pytest.raises(RuntimeError, match="already aligned"):
-            align_model(model, numerics("all"))
+            align_model(model, numerics_config("all"))
 
 
 def grads(model, ids, checkpointing=False):
@@ -122,7 +122,7 @@ def test_gradients_match_fp32_reference_and_survive_checkpointing(tiny_dirs, arc
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = grads(load(tiny_dirs[arch], torch.float32), ids)
     model = load(tiny_dirs[arch], torch.float32)  # FP32 master, BF16 compute
-    with align_model(model, numerics("all")):
+    with align_model(model, numerics_config("all")):
         aligned = grads(model, ids)
         checkpointed = grads(model, ids, checkpointing=True)
     for name, ref in reference.items():
@@ -147,7 +147,7 @@ def test_aligned_gradients_are_no_further_from_fp32_than_stock_bf16s(tiny_dirs, 
     errors = {}
     for regions in ("none", "all"):
         model = load(tiny_dirs[arch], torch.float32)  # FP32 master, BF16 compute
-        with align_model(model, numerics(regions)):
+        with align_model(model, numerics_config(regions)):
             errors[regions] = ((flat(grads(model, ids)) - reference).norm() / reference.norm()).item()
     assert 0 < errors["all"] <= errors["none"], errors
 
@@ -156,7 +156,7 @@ def test_unsupported_architecture_is_refused():
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=2)
     with pytest.raises(UnsupportedModelError, match="Qwen2/Qwen3/Llama.*mistral.*Supported: qwen2.*llama"):
-        align_model(MistralForCausalLM(config), numerics("all"))
+        align_model(MistralForCausalLM(config), numerics_config("all"))
 
 
 def test_a_sliced_llama_projection_is_refused(tiny_dirs):
@@ -164,19 +164,19 @@ def test_a_sliced_llama_projection_is_refused(tiny_dirs):
     model = load(tiny_dirs["llama"])
     model.config.pretraining_tp = 2
     with pytest.raises(UnsupportedModelError, match="pretraining_tp 2"):
-        align_model(model, numerics("all"))
+        align_model(model, numerics_config("all"))
 
 
 def test_unsupported_rope_scaling_is_refused(tiny_dirs):
     model = load(tiny_dirs["qwen2"])
     model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'.*supported: default"):
-        align_model(model, numerics("rope"))
+        align_model(model, numerics_config("rope"))
 
 
 def test_bad_region_name_is_refused():
     with pytest.raises(ValueError, match="unknown region"):
-        numerics("rope,attention")  # read where the text comes in, before a model is touched
+        numerics_config("rope,attention")  # read where the text comes in, before a model is touched
 
 
 def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
@@ -192,7 +192,7 @@ def test_both_sides_share_one_cpu_built_rope_table(tiny_dirs):
         table = numerics.rope_table(10000.0, 32, 1024)
     assert table.device.type == "cpu" and torch.equal(table, numerics.rope_table(10000.0, 32, 1024))
     model = load(tiny_dirs["qwen3"])
-    with align_model(model, numerics("rope")):
+    with align_model(model, numerics_config("rope")):
         trainer = model.model.rotary_emb.rpa_cos_sin_bits.view(torch.float32)
         assert torch.equal(trainer, rope_table(model.config))
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -225,8 +225,8 @@ def test_fp32_attention_rounds_once_and_leaves_with_the_patch(tiny_dirs, arch):
     m32, m16 = fp32_master_and_bf16_copy(tiny_dirs[arch])
     ids = torch.randint(3, 500, (2, 13), generator=g)
     before = m16.config._attn_implementation
-    fp32_attention = numerics("all", trainer_attention="fp32")
-    with align_model(m32, fp32_attention) as a32, align_model(m16, fp32_attention):
+    attention_fp32 = numerics_config("all", trainer_attention="fp32")
+    with align_model(m32, attention_fp32) as a32, align_model(m16, attention_fp32):
         assert a32.describe()["attention"] == "fp32"
         with torch.no_grad():
             assert torch.equal(m32(ids).logits, m16(ids).logits.float())
@@ -247,7 +247,7 @@ def test_fp32_attention_masks_the_padding(tiny_dirs, arch):
     mask[0, :5] = 0
     other = ids.clone()
     other[0, :5] = torch.randint(3, 500, (5,), generator=g)  # other pad contents
-    with align_model(model, numerics("all", trainer_attention="fp32")), torch.no_grad():
+    with align_model(model, numerics_config("all", trainer_attention="fp32")), torch.no_grad():
         a = model(ids, attention_mask=mask).logits
         b = model(other, attention_mask=mask).logits
     assert torch.equal(a[0, 5:], b[0, 5:]) and torch.equal(a[1], b[1])
