@@ -16,7 +16,7 @@ MODES = {"bf16-compute": dict(dtype=torch.float32, trainer_mode="compute"),
          "compute-none": dict(dtype=torch.bfloat16, trainer_mode="autocast")}
 
 
-def numerics(regions="all", **options):
+def numerics_config(regions="all", **options):
     """The configuration a config's ``numerics: {regions: ..., **options}`` reads to."""
     return NumericsConfig.from_dict({"regions": regions, **options})
 
@@ -33,7 +33,7 @@ def arch(request):
 
 def aligned(path, mode, regions="all"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=MODES[mode]["dtype"]).eval()
-    align_model(model, numerics(regions, trainer_mode=MODES[mode]["trainer_mode"]))
+    align_model(model, numerics_config(regions, trainer_mode=MODES[mode]["trainer_mode"]))
     return model
 
 
@@ -101,7 +101,7 @@ def test_resize_token_embeddings_after_aligning(tiny_dirs, arch, mode):
         bf16 = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.bfloat16).eval()
         bf16.resize_token_embeddings(old_vocab + 8, mean_resizing=False)
         bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
-        align_model(bf16, numerics("all"))
+        align_model(bf16, numerics_config("all"))
         assert torch.equal(out, logits(bf16, ids, mask).float())
 
 
@@ -165,13 +165,13 @@ def test_every_supported_class_aligns(tiny_dirs, arch, cls_name):
     mask[0, :3] = 0  # left padding
     outs = []
     for model in (master, copy):
-        with align_model(model, numerics("all")), torch.no_grad():
+        with align_model(model, numerics_config("all")), torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask)
         outs.append(next(v for v in (getattr(out, k, None) for k in ("logits", "start_logits", "last_hidden_state"))
                          if v is not None))
     assert torch.equal(outs[0].to(torch.bfloat16), outs[1].to(torch.bfloat16))
     with pytest.raises(UnsupportedModelError, match="has no LM head"):
-        align_model(master, numerics("all", lm_head_fp32=True))
+        align_model(master, numerics_config("all", lm_head_fp32=True))
 
 
 def test_the_rope_table_buffer_stays_out_of_checkpoints_and_leaves_with_the_patch(tiny_dirs, tmp_path):
