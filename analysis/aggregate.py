@@ -1,7 +1,7 @@
 """Collect probe, diagnose and parity results of a pipeline run into tables.
 
 Reads ``RESULTS/probe/<model>/<config>/summary.json``, ``RESULTS/diagnose/<model>/<config>/
-layers.csv`` and ``RESULTS/parity/<model>.json``; writes ``probe.csv`` (one row per model x
+layers.csv`` and ``RESULTS/parity/<model>.json`` (through :mod:`analysis.runs`); writes ``probe.csv`` (one row per model x
 configuration, columns :data:`PROBE_COLUMNS`), ``probe.md`` (the same, readable, with each
 configuration's mismatch relative to the model's stock ``none`` row) and ``diagnose.csv``.
 
@@ -21,12 +21,12 @@ region's change is distinguishable from zero.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change, positions_only
+from analysis.runs import diagnose_layers, parity_passed, probe_folder, probe_results, read_tokens
 from rpa.core.jsonfiles import atomic_path, write_text
 
 METRICS = ("tokens", "mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "frac_bitwise_equal", "kl_k1", "kl_k3",
@@ -48,7 +48,7 @@ def paired_changes(results: Path, df: pd.DataFrame, numerics: dict[tuple[str, st
         ref = "none" if ((df.model == model) & (df.config == "none")).any() else stock.get(model)
         row = {"mean_abs_dlogp_change": None, "mean_abs_dlogp_low": None, "mean_abs_dlogp_high": None,
                "change_note": None}
-        arm_path, ref_path = (results / "probe" / model / c / "tokens.csv" for c in (config, ref))
+        arm_path, ref_path = (probe_folder(results, model, c) / "tokens.csv" for c in (config, ref))
         if ref is None:
             row["change_note"] = "no none row"
         elif config == ref:
@@ -58,7 +58,7 @@ def paired_changes(results: Path, df: pd.DataFrame, numerics: dict[tuple[str, st
         elif not (arm_path.exists() and ref_path.exists()):
             row["change_note"] = NO_TOKENS
         else:
-            c = paired_change(pd.read_csv(arm_path), pd.read_csv(ref_path))["mean_abs_dlogp"]
+            c = paired_change(read_tokens(arm_path), read_tokens(ref_path))["mean_abs_dlogp"]
             row.update(mean_abs_dlogp_change=c["change"], mean_abs_dlogp_low=c["low"], mean_abs_dlogp_high=c["high"])
         out.append(row)
     return pd.DataFrame(out, index=df.index)
@@ -66,17 +66,15 @@ def paired_changes(results: Path, df: pd.DataFrame, numerics: dict[tuple[str, st
 
 def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
     rows, numerics = [], {}
-    for path in sorted(results.glob("probe/*/*/summary.json")):
-        s = json.loads(path.read_text())
-        model, config = path.parts[-3], path.parts[-2]
-        parity = results / "parity" / f"{model}.json"
+    for probe in probe_results(results):
+        s, model, config = probe.summary, probe.model, probe.config
         tv = s["trainer_batch_variance"]
         numerics[(model, config)] = s["config"]["numerics"]
         rows.append({"model": model, "config": config, **s["config"]["numerics"],
                      **{m: s[m] for m in METRICS}, "entropy": s.get("entropy"),
                      "batch_vs_single_mean_abs_dlogp": tv["batch_vs_single"]["mean_abs_dlogp"],
                      "batch_vs_sampler_mean_abs_dlogp": tv["batch_vs_sampler"]["mean_abs_dlogp"],
-                     "parity_passed": json.loads(parity.read_text())["passed"] if parity.exists() else None})
+                     "parity_passed": parity_passed(results, model)})
     if not rows:
         raise SystemExit(f"no probe summaries under {results}/probe")
     df = pd.DataFrame(rows)
@@ -100,13 +98,7 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
 
 
 def diagnose_table(results: Path) -> pd.DataFrame:
-    frames = []
-    for path in sorted(results.glob("diagnose/*/*/layers.csv")):
-        frame = pd.read_csv(path)
-        frame.insert(0, "config", path.parts[-2])
-        frame.insert(0, "model", path.parts[-3])
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return diagnose_layers(results)
 
 
 def _region_sentence(group: pd.DataFrame) -> str | None:

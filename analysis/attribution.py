@@ -1,6 +1,6 @@
 """The kernel-swap attribution (``rpa attribute``) as a table and a figure.
 
-Reads ``RESULTS/attribution/<model>/<config>/{summary.json,tokens.csv}``; writes
+Reads ``RESULTS/attribution/<model>/<config>/{summary.json,tokens.csv}`` (:func:`analysis.runs.attribution_results`); writes
 ``attribution.csv`` (the rungs, columns :data:`COLUMNS`), ``attribution_ops.csv`` (each op on
 vLLM's own inputs, columns :data:`OP_COLUMNS`), ``attribution.md`` (both) and the figure
 ``attribution.<format>``. Every rung's change of the token-mean |dlogp| vs the ``trainer``
@@ -13,12 +13,12 @@ the trainer computes differently from vLLM outside the swapped ops (with ``all``
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change
+from analysis.runs import attribution_results, read_tokens
 from rpa.core.jsonfiles import atomic_path, write_text
 
 COLUMNS = ("model", "config", "rung", "swapped", "tokens", "mean_abs_dlogp", "frac_bitwise_equal", "kl_k3",
@@ -28,10 +28,9 @@ REFERENCE = "trainer"
 
 def attribution_table(results: Path) -> pd.DataFrame:
     rows = []
-    for summary_path in sorted(results.glob("attribution/*/*/summary.json")):
-        model, config = summary_path.parts[-3], summary_path.parts[-2]
-        summary = json.loads(summary_path.read_text())
-        tokens = pd.read_csv(summary_path.with_name("tokens.csv"))
+    for result in attribution_results(results):
+        model, config, summary = result.model, result.config, result.summary
+        tokens = read_tokens(result.dir / "tokens.csv")
 
         def as_probe(rung: str) -> pd.DataFrame:
             return pd.DataFrame({"seq": tokens.seq, "logp_trainer": tokens[f"logp_{rung}"],
@@ -57,10 +56,9 @@ def ops_table(results: Path) -> pd.DataFrame:
     """Per model, configuration and op (over every layer): the trainer's op fed vLLM's very inputs vs
     vLLM's output (``summary.json`` ``local_ops``, from ``ops.csv``)."""
     rows = []
-    for summary_path in sorted(results.glob("attribution/*/*/summary.json")):
-        model, config = summary_path.parts[-3], summary_path.parts[-2]
-        for op, r in json.loads(summary_path.read_text()).get("local_ops", {}).items():
-            rows.append({"model": model, "config": config, "op": op, **{k: r[k] for k in OP_COLUMNS[3:]}})
+    for result in attribution_results(results):
+        for op, r in result.summary.get("local_ops", {}).items():
+            rows.append({"model": result.model, "config": result.config, "op": op, **{k: r[k] for k in OP_COLUMNS[3:]}})
     return pd.DataFrame(rows, columns=list(OP_COLUMNS))
 
 

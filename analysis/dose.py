@@ -1,8 +1,8 @@
 """The positive control's dose-response: collapse, reward and accuracy vs the *measured*
 trainer-sampler mismatch, per importance-sampling correction and old-logprob setting.
 
-Reads ``RESULTS/dose/<arm>/<correction>-<old>/seed<N>/{config.json,metrics.jsonl,eval.jsonl,
-summary.json}``. Verdicts are recomputed from ``metrics.jsonl`` with the thresholds of each
+Reads ``RESULTS/dose/manifest.json`` and the run of each cell it lists
+(``dose/<arm>/<correction>-<old>/seed<N>``, :func:`analysis.runs.runs_table`). Verdicts are recomputed from ``metrics.jsonl`` with the thresholds of each
 run's config (:func:`rpa.train.collapse.run_verdict`), so the tables follow the current
 definition: ``stable``, ``unconfirmed`` (a drop the run ended too soon to judge; counted in its
 own column, never as stable) or ``collapsed``; grad-norm spikes and recoveries are reported
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import matplotlib
@@ -54,10 +53,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.runs import flags, load_run  # noqa: E402
+from analysis.runs import (SENSITIVITY_LABELS, SPIKE_COLUMNS, flags, grid_table,  # noqa: E402
+                           sensitivity_column)
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
-from rpa.train.collapse import (RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text,  # noqa: E402
-                                 sensitivity_settings)
+from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text  # noqa: E402
 
 MISMATCH_STEPS = 4
 """Default early window (steps 1..K) over which a run's mismatch is averaged for the dose axis.
@@ -75,13 +74,6 @@ MISMATCH_COLUMNS = {"mean_abs_dlogp": "mismatch/mean_abs_dlogp", "kl_k3": "misma
 """Mismatch columns averaged over the early window (run column: metrics key)."""
 
 
-def sensitivity_column(label: str) -> str:
-    """The dose_runs.csv column of one sensitivity variation ("drop 0.4" -> verdict_drop_0.4,
-    "persist /2" -> verdict_persist_half, "persist x2" -> verdict_persist_x2)."""
-    return "verdict_" + re.sub(r"\s+", "_", label.replace("/2", "half"))
-
-
-SENSITIVITY_LABELS = tuple(label for label, _ in sensitivity_settings(CollapseThresholds()))
 INVALID_REASON = ("invalid: IS correction applied twice (old logprobs from the sampler make PPO's ratio pi/mu, and "
                   "TRL multiplies the loss by its clipped pi_old/mu again); such runs are refused now")
 
@@ -119,26 +111,31 @@ def window_means(metrics: list[dict], k: int, before_step: int | None = None) ->
     return out
 
 
-def load_runs(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFrame:
+def dose_rows(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFrame:
+    """One row per cell of the positive control (``results/dose/manifest.json``, read by
+    :func:`analysis.runs.runs_table`; a cell that never ran: status ``missing``), in the order of the
+    cells' folders, columns :data:`RUN_COLUMNS`. The arm is the cell's label; the IS correction, the
+    old-logprob source and the dose what the run's config ran (the cell's labels and the manifest's
+    ``doses`` for a cell without a config)."""
     if mismatch_steps < 1:
         raise ValueError(f"mismatch_steps must be >= 1, got {mismatch_steps}")
+    table = grid_table(results, "dose")
+    doses = table.manifest.get("doses") or {}
     rows = []
-    for cfg_path in sorted(results.glob("dose/*/*/seed*/config.json")):
-        run = load_run(cfg_path.parent)
-        cfg, arm = run.config, run.dir.parts[-3]  # the arm: the grid's label of the sampler's perturbation
-        correction, old = cfg["is_correction"], cfg["old_logprobs"]  # what the run ran, not its folder's name
-        row = {"arm": arm, "dose_bits": (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits"),
-               "is_correction": correction, "old_logprobs": old, "seed": int(run.dir.name.removeprefix("seed")),
-               "invalid": invalid_setting(correction, old),
+    for entry in sorted(table, key=lambda e: Path(e.cell["cell"])):  # the table's order: its runs' folders
+        run, labels = entry.run, entry.labels
+        cfg = run.config
+        if cfg is not None:  # what the run ran, not its folder's name
+            correction, old = cfg["is_correction"], cfg["old_logprobs"]
+            bits = (cfg["numerics"].get("sampler_perturbation") or {}).get("mantissa_bits")
+        else:
+            correction, old, bits = labels["is_correction"], labels["old_logprobs"], doses.get(labels["arm"])
+        row = {**entry.row, "arm": labels["arm"], "dose_bits": bits, "is_correction": correction,
+               "old_logprobs": old, "invalid": invalid_setting(correction, old),
                "status": run.status or "missing", "mismatch_steps": mismatch_steps}
         verdict = run.verdict or {}
         if run.judged:
-            row.update({k: verdict.get(k) for k in (
-                "verdict", "collapsed", "collapse_step", "unconfirmed_drop_step", "recovered_step", "grad_spikes",
-                "first_grad_spike_step", "max_grad_spike_factor", "steps", "peak_reward", "final_reward",
-                "terminal_reward", "absorbing", "rule_version")})
-            row["summary_superseded"] = run.superseded
-            row.update({sensitivity_column(label): v for label, v in run.sensitivity.items()})
+            row.update({k: verdict.get(k) for k in SPIKE_COLUMNS})
         if run.metrics:
             m = pd.DataFrame(run.metrics)
             drop = verdict.get("collapse_step") or verdict.get("unconfirmed_drop_step")
@@ -495,8 +492,8 @@ def listed(sens: pd.DataFrame) -> pd.Series:
 
 def collapse_rule(results: Path) -> str:
     """The collapse rule in words, written from the runs' thresholds (all runs of the grid share them)."""
-    found = {json.dumps(json.loads(p.read_text())["collapse"], sort_keys=True)
-             for p in sorted(results.glob("dose/*/*/seed*/config.json"))}
+    found = {json.dumps(e.run.config["collapse"], sort_keys=True) for e in grid_table(results, "dose")
+             if e.run.config is not None}
     if len(found) != 1:
         return f"The runs' collapse thresholds differ ({len(found)} settings; see each config.json)."
     return rule_text(CollapseThresholds(**json.loads(found.pop())))
@@ -709,7 +706,7 @@ def main() -> None:
     parser.add_argument("--mismatch-steps", type=int, default=MISMATCH_STEPS,
                         help=f"early window: the dose is the mean mismatch over steps 1..K (default {MISMATCH_STEPS})")
     args = parser.parse_args()
-    runs = load_runs(args.results, args.mismatch_steps)
+    runs = dose_rows(args.results, args.mismatch_steps)
     per_group, sens = groups(runs), sensitivity_table(runs)
     th, anchors, sens_th = thresholds(runs), anchor_positions(runs), sensitivity_thresholds(runs)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Copy the small raw results of a pipeline run into ``results/reference/<name>/``.
 
     python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what dose
+    python -m analysis.export_reference --results results/cpu --out results/reference/cpu --what train
     python -m analysis.export_reference --results results/study-cpu --out results/reference/study-cpu --what study
     python -m analysis.export_reference --results results/collapse-cpu --out results/reference/collapse-cpu --what search
     python -m analysis.export_reference --results results/cpu --out results/reference/main --what pipeline
@@ -19,7 +20,9 @@ probe: ``summary.json`` and ``tokens.csv`` restricted to
 replaces what it exports: the whole ``dose``/``study`` folder, or, for ``search``, each stage
 the results folder has a manifest of (the other stages' committed runs stay), and its decode probes
 (``decode/<config>/``: ``summary.json``, ``tokens.csv`` with the trainer's own decode,
-:data:`DECODE_TOKEN_COLUMNS`).
+:data:`DECODE_TOKEN_COLUMNS`). Every grid's manifest goes with its runs (``<what>/manifest.json``; a search
+stage's or a ``grids:`` entry's ``<what>/<entry>/manifest.json``): the tables are read from it
+(:func:`analysis.runs.runs_table`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ TOKEN_COLUMNS = ("seq", "position", "token_id", "logp_trainer", "logp_sampler", 
 DECODE_TOKEN_COLUMNS = (*TOKEN_COLUMNS, "logp_trainer_decode")
 """A search's decode probes (``rpa probe --decode-sequences``, ``<results>/decode/<config>/``): the probe's
 columns and the trainer's own KV-cached decode."""
-TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),
+TABLES = {"train": ("train.csv", "train.md"),
+          "dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv"),
           "study": ("study_collapse.csv", "study_collapse.md", "study_collapse.tex", "study_mismatch.csv",
                     "study_mismatch.md", "study_mismatch.tex", "study_sensitivity.csv", "study_sensitivity.md",
                     "study_sensitivity.tex", "probe.csv", "probe.md"),
@@ -51,10 +55,12 @@ TABLES = {"dose": ("dose.csv", "dose.md", "dose_runs.csv", "dose_sensitivity.csv
                           for ext in ("csv", "md", "json")),
           "pipeline": ("probe.csv", "probe.md", "diagnose.csv", "attribution.csv", "attribution.md",
                        "attribution_ops.csv")}
-FIGURES = {"dose": ("dose_response",), "study": ("study_rewards", "study_accuracy", "study_mismatch_curves",
+FIGURES = {"train": ("train_curves",), "dose": ("dose_response",), "study": ("study_rewards", "study_accuracy", "study_mismatch_curves",
                                                  "study_heatmap", "mismatch"),
            "search": tuple(f"search_{stage}" for stage in ("pilot", "grid", "ablation", "lever")),
-           "pipeline": ("mismatch", "dlogp_vs_prob", "layers", "attribution")}
+           "pipeline": ("mismatch", "dlogp_vs_prob", "layers", "attribution"), "grids": ()}
+GRIDS = ("train", "dose", "study", "search", "grids")
+"""What a grid export can be: each kind of grid, under its own folder of the results."""
 
 
 def copy_run(src: Path, dst: Path) -> None:
@@ -152,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--what", choices=("dose", "study", "search", "pipeline"), required=True)
+    parser.add_argument("--what", choices=(*GRIDS, "pipeline"), required=True)
     args = parser.parse_args()
     check_one_cpu_type(args.results, args.out)
     if args.what == "pipeline":
@@ -167,8 +173,9 @@ def main() -> None:
                   if "init" not in p.relative_to(args.results / args.what).parts)  # shared warm starts: no
     if not runs:
         raise SystemExit(f"export: no runs under {args.results / args.what}")
-    if args.what == "search":  # stages run in sittings from different results folders: replace the exported ones only
-        stale = [args.out / "search" / m.parent.name for m in (args.results / "search").glob("*/manifest.json")]
+    manifests = manifests_of(args.results, args.what)
+    if args.what in ("search", "grids"):  # stages run in sittings from different results folders: replace the exported ones only
+        stale = [args.out / args.what / m.parent.name for m in manifests]
         stale += [args.out / "decode"] if (args.results / "decode").is_dir() else []
     else:
         stale = [args.out / folder for folder in ((args.what, "probe") if args.what == "study" else (args.what,))]
@@ -177,13 +184,12 @@ def main() -> None:
     for run in runs:
         copy_run(run, args.out / run.relative_to(args.results))
     records = copy_records(args.results, args.out, args.what)
+    for manifest in manifests:
+        shutil.copy2(manifest, args.out / manifest.relative_to(args.results))
     if args.what == "search":
-        for manifest in sorted((args.results / "search").glob("*/manifest.json")):
-            shutil.copy2(manifest, args.out / manifest.relative_to(args.results))
         for probe in sorted((args.results / "decode").glob("*/summary.json")):
             copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results), DECODE_TOKEN_COLUMNS)
     if args.what == "study":
-        shutil.copy2(args.results / "study/manifest.json", args.out / "study/manifest.json")
         for probe in sorted((args.results / "probe").glob("*/*/tokens.csv")):
             copy_probe(probe.parent, args.out / probe.parent.relative_to(args.results))
     _copy_outputs(args)
@@ -191,8 +197,22 @@ def main() -> None:
     print(f"export: {len(runs)} runs, {records} job records -> {args.out}")
 
 
+def manifests_of(results: Path, what: str) -> list[Path]:
+    """The manifests of the grids ``what`` names (rpa/workflow/manifest.py): ``<what>/manifest.json``, or for
+    a section of several grids each entry's; refused where there is none (no table can be made of the runs)."""
+    found = sorted((results / what).glob("*/manifest.json" if what in ("search", "grids") else "manifest.json"))
+    if not found:
+        raise SystemExit(f"export: no manifest under {results / what} (the workflow writes one per grid, from the "
+                         f"config: rerun its manifest rule)")
+    return found
+
+
 def _copy_outputs(args: argparse.Namespace) -> None:
     """The exported part's tables and figures (those that exist)."""
+    if args.what == "grids":
+        for table in sorted((args.results / "tables" / "grids").glob("*")):
+            (args.out / "tables" / "grids").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(table, args.out / "tables" / "grids" / table.name)
     for folder, names, ext in (("tables", TABLES[args.what], ""), ("figures", FIGURES[args.what], ".png")):
         (args.out / folder).mkdir(parents=True, exist_ok=True)
         for name in names:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from analysis.runs import MANIFEST, probe_token_tables, probe_tokens, read_manifest, read_tokens  # noqa: E402
 from rpa.core.jsonfiles import atomic_path  # noqa: E402
 
 
@@ -62,10 +62,9 @@ def bar_intervals(results: Path, probe: pd.DataFrame) -> dict[tuple[str, str, st
     the gap's columns."""
     out = {}
     for model, config in zip(probe["model"], probe["config"]):
-        path = results / "probe" / model / config / "tokens.csv"
-        if not path.exists():
+        tokens = probe_tokens(results, model, config)
+        if tokens is None:
             continue
-        tokens = pd.read_csv(path)
         for gap, (a, b) in GAP_TOKENS.items():
             if {a, b, "seq"} <= set(tokens) and len(tokens):
                 out[(model, config, gap)] = bar_interval(tokens, a, b)
@@ -76,8 +75,8 @@ def model_order(results: Path, present: list[str], models: list[str] | None = No
     """The models of ``present`` in the config's order: ``models`` where given, else the study
     manifest's (smallest first), then any other in the order of ``present``."""
     if not models:
-        manifest = results / "study" / "manifest.json"
-        models = json.loads(manifest.read_text()).get("models", []) if manifest.exists() else []
+        manifest = results / "study" / MANIFEST
+        models = read_manifest(manifest).get("models", []) if manifest.exists() else []
     present = list(dict.fromkeys(present))
     return [m for m in models if m in present] + [m for m in present if m not in models]
 
@@ -118,11 +117,10 @@ def mismatch_figure(probe: pd.DataFrame, path: Path, models: list[str] | None = 
 
 def dlogp_vs_prob_figure(results: Path, configs: list[str], path: Path) -> None:
     frames = []
-    for tokens in sorted(results.glob("probe/*/*/tokens.csv")):
-        model, config = tokens.parts[-3], tokens.parts[-2]
+    for model, config, tokens in probe_token_tables(results):
         if config not in configs:
             continue
-        df = pd.read_csv(tokens, usecols=["logp_trainer", "logp_sampler", "p_sampler"])
+        df = read_tokens(tokens, usecols=["logp_trainer", "logp_sampler", "p_sampler"])
         df["abs_dlogp"] = (df.logp_trainer - df.logp_sampler).abs()
         df["log10_p"] = np.log10(df.p_sampler.clip(lower=1e-12))
         df["bin"] = (df.log10_p * 2).round() / 2  # half-decade bins

@@ -16,7 +16,6 @@ aligned greedy path fails only under ``all``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -30,7 +29,9 @@ def greedy_probe(run: Path, checkpoint: str, regions: str) -> dict:
     from rpa.train.config import TrainConfig
     from rpa.train.tasks import build_task
 
-    cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
+    from analysis.runs import run_config
+
+    cfg = TrainConfig.from_dict(run_config(run))
     model = str(run / checkpoint)
     numerics = NumericsConfig.from_dict({**cfg.numerics.to_dict(), "regions": regions})
     task = build_task(cfg.task)

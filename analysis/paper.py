@@ -27,6 +27,8 @@ import pandas as pd
 
 from analysis.latex import booktabs, escape, readable
 from analysis.paired import fmt_change
+from analysis.runs import (MANIFEST, cell_labels, cells_by_folder, decode_probes, probe_results, read_manifest,
+                           run_config, run_summary)
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, rule_text
 from rpa.core.jsonfiles import write_text
 
@@ -102,8 +104,9 @@ def mismatch_claim(table: pd.DataFrame, arm: str, reference: str) -> str:
     return text
 
 
-def _thresholds(config: Path) -> CollapseThresholds | None:
-    collapse = json.loads(config.read_text()).get("collapse") if config.exists() else None
+def _thresholds(run_dir: Path) -> CollapseThresholds | None:
+    """The collapse thresholds of the run in ``run_dir`` (its config's; None without a config)."""
+    collapse = (run_config(run_dir) or {}).get("collapse")
     return None if collapse is None else CollapseThresholds(**collapse)
 
 
@@ -134,7 +137,7 @@ def study_rule(results: Path, manifest: dict) -> tuple[str, set[CollapseThreshol
     seeds: dict[tuple[str, str], set] = {}
     for c in manifest["cells"]:
         seeds.setdefault((c["model"], c["arm"]), set()).add(c["seed"])
-        t = _thresholds(results / "study" / c["cell"] / "config.json")
+        t = _thresholds(results / "study" / c["cell"])
         if t is not None:
             by.setdefault(t, []).append((c["model"], c["arm"], c["seed"]))
     if not by:
@@ -151,10 +154,10 @@ def study_rule(results: Path, manifest: dict) -> tuple[str, set[CollapseThreshol
 def dose_rule(dose_results: Path, study: set[CollapseThresholds]) -> str:
     """The collapse rule of the dose grid's runs, said in full only where it is not the study's."""
     by: dict[CollapseThresholds, list[str]] = {}
-    for config in sorted(dose_results.glob("dose/*/*/seed*/config.json")):
-        t = _thresholds(config)
+    for cell, run_dir in cells_by_folder(dose_results, "dose"):
+        t = _thresholds(run_dir)
         if t is not None:
-            by.setdefault(t, []).append(config.parts[-4])
+            by.setdefault(t, []).append(cell_labels(cell)["arm"])
     if not by:
         return ""
     if set(by) == study and len(by) == 1:
@@ -192,10 +195,11 @@ def dose_parts(results: Path, out_dir: Path) -> str:
         "\\end{itemize}"
 
 
-def _commits(paths) -> list[str]:
+def _commits(summaries) -> list[str]:
+    """The commits of runs' or probes' summaries (``provenance``), each once, in their order."""
     out = []
-    for path in paths:
-        prov = json.loads(path.read_text()).get("provenance") or {}
+    for summary in summaries:
+        prov = summary.get("provenance") or {}
         commit = (prov.get("git_commit") or "unknown")[:10] + ("+dirty" if prov.get("git_dirty") else "")
         if commit not in out:
             out.append(commit)
@@ -205,21 +209,26 @@ def _commits(paths) -> list[str]:
 def commit_of(results: Path) -> str:
     """The commit(s) the runs came from, and the probes' where they differ (a probe stage may be
     re-run at a later commit than the training runs)."""
-    runs = _commits(sorted(results.glob("study/*/*/seed*/summary.json")))
-    probes = _commits(sorted(results.glob("probe/*/*/summary.json")))
+    runs = _commits(_ended(results, "study"))
+    probes = _commits(p.summary for p in probe_results(results))
     text = ", ".join(runs) or "unknown"
     if probes and probes != runs:
         text = f"{text} (runs), {', '.join(probes)} (probes)"
     return text
 
 
+def _ended(results: Path, section: str, entry: str | None = None) -> list[dict]:
+    """The summaries of a grid's runs that ended, in the order of their folders."""
+    return [s for _, run_dir in cells_by_folder(results, section, entry) if (s := run_summary(run_dir)) is not None]
+
+
 def _study_old_logprobs(results: Path, manifest: dict) -> set[str]:
     """Where the study's runs took PPO's old log-probabilities from (their configs)."""
     found = set()
     for c in manifest["cells"]:
-        path = results / "study" / c["cell"] / "config.json"
-        if path.exists():
-            found.add(json.loads(path.read_text()).get("old_logprobs", "trainer"))
+        config = run_config(results / "study" / c["cell"])
+        if config is not None:
+            found.add(config.get("old_logprobs", "trainer"))
     return found
 
 
@@ -357,28 +366,28 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
     return text
 
 
-def _commits_of(paths) -> list[str]:
-    return [c for c in _commits(paths) if c != "unknown"]
+def _commits_of(summaries) -> list[str]:
+    return [c for c in _commits(summaries) if c != "unknown"]
 
 
 def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None,
                real_search_results: Path | None = None) -> str:
     """Every commit the results in the paper came from, by part (each run's ``provenance``)."""
-    parts = [f"miniature runs {', '.join(_commits_of(sorted(results.glob('study/*/*/seed*/summary.json')))) or 'unknown'}"]
-    probes = _commits_of(sorted(results.glob("probe/*/*/summary.json")))
+    parts = [f"miniature runs {', '.join(_commits_of(_ended(results, 'study'))) or 'unknown'}"]
+    probes = _commits_of(p.summary for p in probe_results(results))
     if probes:
         parts.append(f"its probes {', '.join(probes)}")
-    dose = sorted((dose_results or results).glob("dose/*/*/seed*/summary.json"))
+    dose = _ended(dose_results or results, "dose")
     if dose:
         parts.append(f"positive control ({dose_results or results}) {', '.join(_commits_of(dose))}")
     for name, folder in (("search", search_results), ("real-model search", real_search_results)):
         if folder is None:
             continue
         for stage in ("pilot", "grid", "ablation", "lever"):
-            found = _commits_of(sorted((folder / "search" / stage).glob("**/summary.json")))
+            found = _commits_of(_ended(folder, "search", stage))
             if found:
                 parts.append(f"{name} {stage} ({folder}) {', '.join(found)}")
-        probes = _commits_of(sorted((folder / "decode").glob("*/summary.json")))
+        probes = _commits_of(decode_probes(folder / "decode").values())
         if probes:
             parts.append(f"{name} decode probes ({folder}) {', '.join(probes)}")
     return "; ".join(parts)
@@ -386,7 +395,7 @@ def provenance(results: Path, dose_results: Path | None = None, search_results: 
 
 def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
                  search_results: Path | None = None, real_search_results: Path | None = None) -> Path:
-    manifest = json.loads((results / "study" / "manifest.json").read_text())
+    manifest = read_manifest(results / "study" / MANIFEST)
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
     ref = manifest["reference_arm"]
@@ -601,7 +610,7 @@ def _real_runs_table(csv: Path) -> list[str]:
 def _decode_probes(decode: Path) -> dict[str, dict]:
     """The summaries of a search's decode probes (``rpa probe --decode-sequences``), by configuration;
     probes that did not decode are left out."""
-    found = {path.parent.name: json.loads(path.read_text()) for path in sorted(decode.glob("*/summary.json"))}
+    found = decode_probes(decode)
     return {name: s for name, s in found.items() if s.get("trainer_decode_variance") is not None}
 
 

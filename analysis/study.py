@@ -44,7 +44,6 @@ bars), ``study_mismatch_curves`` (in-training mismatch, log scale), ``study_heat
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
@@ -57,23 +56,26 @@ import pandas as pd  # noqa: E402
 
 from analysis.latex import booktabs  # noqa: E402
 from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from analysis.runs import flags, load_run  # noqa: E402
+from analysis.runs import (MANIFEST, flags, probe_folder, probe_result, probe_tokens, read_manifest,  # noqa: E402
+                           runs_table)
 from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, sensitivity_settings  # noqa: E402
 
 
-def load_runs(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(one row per expected cell, per-step metrics of finished runs, eval records)."""
+def study_rows(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(one row per expected cell, per-step metrics of finished runs, eval records): each cell's row of
+    :func:`analysis.runs.runs_table` with the study's own columns: ``error``, ``sensitivity`` (the
+    verdict under each variation, by label), ``persistence`` (the run's window), the run's ``numerics``
+    and its in-training mismatch means."""
     rows, curves, evals = [], [], []
-    for c in manifest["cells"]:
-        run = load_run(results / "study" / c["cell"])
-        row = {"model": c["model"], "arm": c["arm"], "seed": c["seed"], "state": run.state}
+    for entry in runs_table(manifest, results, "study"):
+        run, c = entry.run, entry.cell
+        row = dict(entry.row)
         if run.summary is not None:
-            row.update(status=run.status, error=run.summary.get("error"))
+            row["error"] = run.summary.get("error")
+        if run.config is not None:
+            row["numerics"] = run.config.get("numerics")
         if run.judged:
-            row.update({k: run.verdict.get(k) for k in ("collapsed", "verdict", "collapse_step", "recovered_step",
-                                                        "unconfirmed_drop_step", "grad_spikes", "steps", "peak_reward",
-                                                        "final_reward", "terminal_reward", "absorbing", "rule_version")})
             row["sensitivity"] = run.sensitivity
             row["persistence"] = run.thresholds.min_steps_after_drop
         if run.metrics:
@@ -200,24 +202,25 @@ def latex_sensitivity(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 
 def _probe_numerics(results: Path, model: str, config: str) -> dict | None:
-    path = results / "probe" / model / config / "summary.json"
-    return json.loads(path.read_text())["config"].get("numerics") if path.exists() else None
+    probe = probe_result(results, model, config)
+    return None if probe is None else probe.summary["config"].get("numerics")
 
 
 def _probe_entropy(results: Path, model: str, config: str) -> float | None:
     """The trainer's mean next-token entropy (nats) over the probe's completion tokens: mismatch
     tracks it, so each probe's mismatch is reported with it (None for probes made before it was
     recorded)."""
-    path = results / "probe" / model / config / "summary.json"
-    return json.loads(path.read_text()).get("entropy") if path.exists() else None
+    probe = probe_result(results, model, config)
+    return None if probe is None else probe.summary.get("entropy")
 
 
-def _run_numerics(results: Path, manifest: dict, model: str, arm: str) -> dict | None:
-    for c in manifest["cells"]:
-        path = results / "study" / c["cell"] / "config.json"
-        if c["model"] == model and c["arm"] == arm and path.exists():
-            return json.loads(path.read_text()).get("numerics")
-    return None
+def _run_numerics(runs: pd.DataFrame, model: str, arm: str) -> dict | None:
+    """The numerics of the first of ``model``'s runs of ``arm`` (in the manifest's order) with a config."""
+    if "numerics" not in runs:
+        return None
+    found = runs[(runs.model == model) & (runs.arm == arm)]["numerics"]
+    found = [n for n in found if isinstance(n, dict)]
+    return found[0] if found else None
 
 
 def train_change(curves: pd.DataFrame, runs: pd.DataFrame, model: str, arm: str, ref: str,
@@ -241,18 +244,17 @@ def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
     curves = pd.DataFrame() if curves is None else curves
     rows = []
     for model in manifest["models"]:
-        ref_path = results / "probe" / model / ref / "tokens.csv"
-        ref_tokens = pd.read_csv(ref_path) if ref_path.exists() else None
-        ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(results, manifest, model, ref)
+        ref_tokens = probe_tokens(results, model, ref)
+        ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(runs, model, ref)
         for arm in arms_of(manifest, model):
             row = {"model": model, "arm": arm, "probe_note": None,
                    "probe_entropy": _probe_entropy(results, model, arm)}
-            path = results / "probe" / model / arm / "tokens.csv"
-            numerics = _probe_numerics(results, model, arm) or _run_numerics(results, manifest, model, arm)
+            tokens = probe_tokens(results, model, arm)
+            numerics = _probe_numerics(results, model, arm) or _run_numerics(runs, model, arm)
             if arm != ref and positions_only(numerics, ref_numerics):
                 row["probe_note"] = "n/a (unpadded probe)"
-            elif path.exists() and ref_tokens is not None:
-                change = paired_change(pd.read_csv(path), ref_tokens)
+            elif tokens is not None and ref_tokens is not None:
+                change = paired_change(tokens, ref_tokens)
                 for key, c in change.items():
                     row.update({f"probe_{key}": c["value"], f"probe_{key}_change": c["change"],
                                 f"probe_{key}_low": c["low"], f"probe_{key}_high": c["high"]})
@@ -260,10 +262,10 @@ def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
                     row["probe_note"] = "reference"
                     for key in change:
                         row.update({f"probe_{key}_change": None, f"probe_{key}_low": None, f"probe_{key}_high": None})
-            elif path.exists() or (results / "probe" / model / arm).exists():
+            elif tokens is not None or probe_folder(results, model, arm).exists():
                 row["probe_note"] = f"no tokens.csv (or none for {ref})"
             else:  # no probe configuration of this arm's name (an IS arm: the numerics of another arm)
-                same = numerics is not None and numerics == _run_numerics(results, manifest, model, ref)
+                same = numerics is not None and numerics == _run_numerics(runs, model, ref)
                 row["probe_note"] = f"no probe (numerics of {ref})" if same and arm != ref else "no probe"
             done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
             row["train_mean_abs_dlogp"] = _mean_sd(done.get("train_mean_abs_dlogp", pd.Series(dtype=float)))
@@ -585,11 +587,11 @@ def main() -> None:
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--format", default="png")
     args = parser.parse_args()
-    manifest = json.loads((args.results / "study" / "manifest.json").read_text())
+    manifest = read_manifest(args.results / "study" / MANIFEST)
     tables, fig_dir = args.results / "tables", args.results / "figures"
     tables.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
-    runs, curves, evals = load_runs(args.results, manifest)
+    runs, curves, evals = study_rows(args.results, manifest)
     label = manifest["label"]
     ref = manifest["reference_arm"]
     collapse = collapse_table(runs, manifest)

@@ -4,10 +4,11 @@ import re
 
 from rpa.workflow.jobs import (attribution_job, diagnose_job, gguf_flags, model_configs, model_kind, model_location,
                                parity_job, probe_job, prompts_flags, prompts_task, tiny_flags)
+from rpa.workflow.manifest import manifest_text
 from rpa.workflow.pipeline import PipelineConfigError
 from rpa.workflow.resources import gpu_shortfall, study_priorities, study_resources
-from rpa.workflow.sections import (GRID_SECTIONS, MULTI_GRID_SECTIONS, dose_points, grid_entries, grid_stage,
-                                   search_points, study_arm_names, study_points, train_points)
+from rpa.workflow.sections import (GRID_SECTIONS, MULTI_GRID_SECTIONS, dose_label, dose_points, grid_entries,
+                                   grid_stage, search_points, study_arm_names, study_points, train_points)
 
 R = config["results"]
 MODELS = list(config["models"])

@@ -9,9 +9,25 @@ rule dose_response:
         f"{R}/figures/dose_response.{FIGURES['format']}",
 
 
+localrules:
+    dose_manifest,
+
+
+rule dose_manifest:
+    output:
+        f"{R}/dose/manifest.json",
+    params:
+        text=manifest_text("dose", CELLS["dose"], {"doses": {
+            dose_label(d): None if d in (None, "none") else int(d) for d in config["dose"]["doses"]}})
+        if CELLS["dose"] else "",
+    shell:
+        WRITE_TEXT
+
+
 rule dose_aggregate:
     input:
         grid_records("dose"),
+        manifest=f"{R}/dose/manifest.json",
     output:
         csv=f"{R}/tables/dose.csv",
         md=f"{R}/tables/dose.md",

@@ -12,9 +12,24 @@ rule train_all:
         f"{R}/figures/train_curves.{FIGURES['format']}",
 
 
+# a one-line job that writes a file from the config: run by Snakemake itself, never submitted
+localrules:
+    train_manifest,
+
+
+rule train_manifest:
+    output:
+        f"{R}/train/manifest.json",
+    params:
+        text=manifest_text("train", CELLS["train"]) if CELLS["train"] else "",
+    shell:
+        WRITE_TEXT
+
+
 rule train_aggregate:
     input:
         train_runs(),
+        manifest=f"{R}/train/manifest.json",
     output:
         csv=f"{R}/tables/train.csv",
         md=f"{R}/tables/train.md",

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis.collapse_search import clopper_pearson, decision, load_runs, main, pilot
+from analysis.collapse_search import clopper_pearson, decision, main, pilot, search_rows
 from rpa.workflow.pipeline import PipelineConfigError, check_config
 from rpa.workflow.sections import search_points
 from tests.conftest import REPO, tail
@@ -95,13 +95,13 @@ def _grid(tmp_path, none_falls: int, fp32_falls: int, stage: str = "grid"):
 
 def test_decision_rule_collapses_naturally_only_with_the_control_stable(tmp_path):
     manifest = _grid(tmp_path, none_falls=3, fp32_falls=0)
-    runs, _ = load_runs(tmp_path, manifest)
+    runs, _ = search_rows(tmp_path, manifest)
     d = decision(runs, RULE)
     assert d["outcome"] == "collapses naturally" and d["collapsing_rungs"] == ["lr2"]
     assert d["pooled"] == {"pairs": 8, "reference_collapsed": 3, "control_collapsed": 0}
     # the same collapses with FP32 collapsing too: the step size's, not BF16's
     other = tmp_path / "other"
-    runs2, _ = load_runs(other, _grid(other, none_falls=4, fp32_falls=1))
+    runs2, _ = search_rows(other, _grid(other, none_falls=4, fp32_falls=1))
     d2 = decision(runs2, RULE)
     assert d2["outcome"] == "does not collapse naturally" and "4/8 runs collapsed" in d2["statement"]
     # pre-collapse mismatch: steps before the collapse only (smoothed over 2: collapse at step 7, steps 1-6 before)
@@ -136,7 +136,7 @@ def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
         _write_run(tmp_path, f"pilot/{name}/seed0", [reward] * 4, [mismatch] * 4, entropy=entropy)
         cells.append({"cell": f"pilot/{name}/seed0", "labels": {"setting": name}, "seed": 0, "model": "m"})
     manifest = _manifest(tmp_path, "pilot", {"setting": ["a", "b", "c", "d"]}, cells)
-    runs, _ = load_runs(tmp_path, manifest)
+    runs, _ = search_rows(tmp_path, manifest)
     table, choice = pilot(runs, {"min_entropy": 0.3, "reward_low": 0.3, "reward_high": 0.7})
     assert choice["chosen"] == "pilot/c/seed0" and choice["eligible"] == 2  # a: entropy, d: reward out of range
     assert table["chosen"].sum() == 1
@@ -172,7 +172,7 @@ def test_an_incomplete_grid_gets_no_verdict(tmp_path):
     manifest = _grid(tmp_path, none_falls=3, fp32_falls=0)
     missing = tmp_path / "search" / manifest["cells"][0]["cell"] / "summary.json"
     missing.unlink()
-    runs, _ = load_runs(tmp_path, manifest)
+    runs, _ = search_rows(tmp_path, manifest)
     d = decision(runs, RULE)
     assert d["outcome"] == "incomplete" and "15 of 16 runs finished" in d["statement"]
     # the unfinished run's partial log (still on disk) gives its row no numbers: the exported
@@ -328,7 +328,7 @@ def test_sign_test_and_the_paired_reward_auc_leave_ties_out(tmp_path):
     (slow / "metrics.jsonl").unlink()
     _write_run(tmp_path / "slow", "x", [0.3] * 4 + [0.6] * 8, [0.01] * 12)
     (tmp_path / "slow/search/x/metrics.jsonl").rename(slow / "metrics.jsonl")
-    runs, _ = load_runs(tmp_path, manifest)
+    runs, _ = search_rows(tmp_path, manifest)
     paired = comparison(runs, RULE)["reward_auc_paired"]["fp32"]
     assert paired == {"pairs": 8, "ties": 7, "reference_lower": 1, "sign_test_p": 1.0}
 
@@ -350,7 +350,7 @@ def test_the_rules_power_is_a_binomial_tail_over_the_rungs():
 
 def test_each_rung_has_its_own_exact_interval_and_the_statement_says_what_the_rule_can_detect(tmp_path):
     manifest = _grid(tmp_path, none_falls=0, fp32_falls=0)
-    runs, _ = load_runs(tmp_path, manifest)
+    runs, _ = search_rows(tmp_path, manifest)
     d = decision(runs, RULE)
     for rung in d["rungs"]:
         assert rung["reference"] == "0/4" and rung["reference_interval"] == [0.0, pytest.approx(0.6024, abs=1e-4)]
@@ -479,7 +479,7 @@ def test_an_incomplete_grid_with_arm_only_metrics_loads_without_pandas_deprecati
     (tmp_path / "search" / manifest["cells"][1]["cell"] / "summary.json").unlink()  # a run not finished
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        runs, curves = load_runs(tmp_path, manifest)
+        runs, curves = search_rows(tmp_path, manifest)
         collapsed = flags(runs["collapsed"])
     assert collapsed.dtype == bool and not collapsed.any()
     assert (runs["state"] == "missing").sum() == 1 and "mismatch/self_residual" not in curves
@@ -511,7 +511,7 @@ def test_final_entropy_is_over_the_runs_own_window_and_refused_when_the_window_i
             line["entropy"] = float(i + 1)  # 1 .. 9
         metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
         cells.append({"cell": cell, "labels": {"lr": "lr1", "arm": "none"}, "seed": seed, "model": "m"})
-    runs, _ = load_runs(tmp_path, _manifest(tmp_path, "grid", {"lr": ["lr1"], "arm": ["none"]}, cells))
+    runs, _ = search_rows(tmp_path, _manifest(tmp_path, "grid", {"lr": ["lr1"], "arm": ["none"]}, cells))
     fits, longer = runs.iloc[0], runs.iloc[1]
     assert fits["final_entropy"] == pytest.approx(8.0) and fits["final_entropy_steps"] == 3
     assert fits["last_entropy"] == 9.0 and fits["entropy"] == pytest.approx(5.0)
@@ -564,7 +564,7 @@ def test_a_factorial_grids_figure_adds_the_outcome_per_run(tmp_path):
             _write_run(tmp_path, cell, [0.2, 0.3, 0.4, 0.5], [0.01] * 4)
             cells.append({"cell": cell, "labels": {"lr": "lr1", "arm": arm}, "seed": seed, "model": "m"})
     manifest = _manifest(tmp_path, "grid", {"lr": ["lr1"], "arm": ["fp32", "none"]}, cells)
-    runs, curves = load_runs(tmp_path, manifest)
+    runs, curves = search_rows(tmp_path, manifest)
     rule = {"arm_axis": "arm", "rung_axis": "lr", "effects": {"e": {"contrast": {"none": 1, "fp32": -1}}}}
     sizes = {}
     for name, r in (("with", rule), ("without", {k: v for k, v in rule.items() if k != "effects"})):

@@ -96,13 +96,29 @@ def _committed_runs() -> pd.DataFrame:
     return pd.read_csv(REFERENCE / "tables/dose_runs.csv")
 
 
+def _dose_manifest(root, *run_dirs: str):
+    """The manifest of a positive control of the cells ``run_dirs`` (``<arm>/<is>-<old>/seed<N>``), as the
+    workflow writes it (rpa/workflow/manifest.py)."""
+    from rpa.workflow.manifest import manifest_text
+
+    cells = []
+    for rel in run_dirs:
+        arm, setting, seed = rel.split("/")
+        correction, old = setting.rsplit("-", 1)
+        cells.append({"cell": rel, "labels": {"arm": arm, "is_correction": correction, "old_logprobs": old},
+                      "seed": int(seed.removeprefix("seed")), "model": "tiny-qwen3"})
+    (root / "dose").mkdir(parents=True, exist_ok=True)
+    (root / "dose" / "manifest.json").write_text(manifest_text("dose", cells, {"doses": {}}))
+    return root
+
+
 def _link_runs(tmp_path, *run_dirs: str):
     """A results tree holding only the named committed runs (so a test loads 3 runs, not 126)."""
     for rel in run_dirs:
         dst = tmp_path / "dose" / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.symlink_to(REFERENCE / "dose" / rel)
-    return tmp_path
+    return _dose_manifest(tmp_path, *run_dirs)
 
 
 SPIKY = "perturb-mantissa1/sequence_mask-sampler"
@@ -110,7 +126,7 @@ SPIKY = "perturb-mantissa1/sequence_mask-sampler"
 
 def test_grad_spike_only_runs_are_not_counted_as_collapses(tmp_path):
     _committed("dose", SPIKY)
-    runs = dose.load_runs(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
+    runs = dose.dose_rows(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
     by_seed = runs.set_index("seed")
     for seed in (0, 2):  # grad-norm spikes, reward never held below half its best: events, not collapses
         assert by_seed.loc[seed, "grad_spikes"] >= 1 and by_seed.loc[seed, "verdict"] == "stable"
@@ -138,18 +154,18 @@ def _synthetic_run(root, arm="perturb-mantissa2", setting="off-sampler", seed=0,
                      "clip_ratio/region_mean": 0.0, "mismatch/mean_abs_dlogp": mm, "mismatch/kl_k3": mm / 10,
                      "mismatch/seq_log_ratio_mean_abs": 30 * mm, "mismatch/phantom_clip_rate": mm / 2})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return _dose_manifest(root, f"{arm}/{setting}/seed{seed}")
 
 
 def test_the_dose_is_the_early_window_not_the_post_collapse_mismatch(tmp_path):
-    runs = dose.load_runs(_synthetic_run(tmp_path))
+    runs = dose.dose_rows(_synthetic_run(tmp_path))
     r = runs.iloc[0]
     assert r["verdict"] == "collapsed" and r["collapse_step"] == 17  # the mismatch jumps at the collapse
     assert r["mismatch_steps"] == dose.MISMATCH_STEPS
     assert r["mean_abs_dlogp"] == pytest.approx(0.01) and r["phantom_clip_rate"] == pytest.approx(0.005)
     assert r["pre_drop_mean_abs_dlogp"] == pytest.approx(0.01)
     assert r["all_steps_mean_abs_dlogp"] > 0.02  # what the all-steps mean reported
-    late = dose.load_runs(tmp_path, mismatch_steps=20).iloc[0]  # a window past the collapse sees the jump
+    late = dose.dose_rows(tmp_path, mismatch_steps=20).iloc[0]  # a window past the collapse sees the jump
     assert late["mean_abs_dlogp"] == pytest.approx((16 * 0.01 + 4 * 0.05) / 20) and late["mismatch_steps"] == 20
     assert dose.groups(runs)["mismatch_steps"].tolist() == [dose.MISMATCH_STEPS]
     assert dose.thresholds(runs)["mismatch_steps"].tolist() == [dose.MISMATCH_STEPS]
@@ -225,7 +241,7 @@ def test_committed_anchors_exist_per_correction_and_the_statements_quote_them():
 
 def test_the_sensitivity_table_counts_collapses_under_every_variation(tmp_path):
     _committed("dose", SPIKY)
-    runs = dose.load_runs(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
+    runs = dose.dose_rows(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
     table = dose.sensitivity_table(runs)
     labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
     assert labels == list(dose.SENSITIVITY_LABELS)
@@ -248,7 +264,7 @@ def test_a_runs_setting_is_read_from_its_config_not_its_folder_name(tmp_path):
     path = tmp_path / "dose/perturb-mantissa2/off-sampler/seed0/config.json"
     cfg = json.loads(path.read_text())
     path.write_text(json.dumps({**cfg, "is_correction": "token_truncate", "old_logprobs": "trainer"}))
-    row = dose.load_runs(tmp_path).iloc[0]
+    row = dose.dose_rows(tmp_path).iloc[0]
     assert (row["is_correction"], row["old_logprobs"]) == ("token_truncate", "trainer")
 
 

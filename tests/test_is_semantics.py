@@ -72,7 +72,7 @@ def test_the_run_config_refuses_is_with_sampler_old_logprobs(correction):
 def test_dose_grid_skips_and_marks_those_cells():
     import yaml
 
-    from analysis.dose import invalid_setting, load_runs, thresholds
+    from analysis.dose import dose_rows, invalid_setting, thresholds
     from rpa.workflow.sections import dose_points
     from tests.conftest import REPO
 
@@ -82,7 +82,7 @@ def test_dose_grid_skips_and_marks_those_cells():
     assert [p for p in points if p["is_correction"] == "off" and p["old_logprobs"] == "sampler"]
     committed = REPO / "results/reference/cpu"
     assert (committed / "dose").exists(), "committed dose grid missing (part of the contract)"
-    runs = load_runs(committed)
+    runs = dose_rows(committed)
     bad = runs[[invalid_setting(c, o) for c, o in zip(runs.is_correction, runs.old_logprobs)]]
     assert len(bad) == 36 and bad["invalid"].all() and not runs.drop(bad.index)["invalid"].any()
     th = thresholds(runs, boot=0)

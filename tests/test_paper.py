@@ -79,6 +79,7 @@ def _fake_study(root, cells, collapse_of):
 def test_runs_judged_with_different_thresholds_get_one_rule_each_with_their_runs(tmp_path):
     from analysis.paper import dose_rule, study_rule
     from rpa.train.collapse import CollapseThresholds, rule_text
+    from rpa.workflow.manifest import manifest_text
 
     base = {"smoothing_window": 5, "drop_fraction": 0.5, "min_best_reward": 0.05, "spike_factor": 10.0,
             "spike_warmup_steps": 5, "min_steps_after_drop": 5}
@@ -106,6 +107,9 @@ def test_runs_judged_with_different_thresholds_get_one_rule_each_with_their_runs
     run = dose / "dose" / "perturb-mantissa2" / "off-sampler" / "seed0"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"collapse": {**base, "min_steps_after_drop": 3}}))
+    (dose / "dose" / "manifest.json").write_text(manifest_text("dose", [{
+        "cell": "perturb-mantissa2/off-sampler/seed0", "seed": 0, "model": "m",
+        "labels": {"arm": "perturb-mantissa2", "is_correction": "off", "old_logprobs": "sampler"}}], {"doses": {}}))
     said = dose_rule(dose, {CollapseThresholds(**base)})
     assert "for 3 consecutive" in said and "same collapse rule" not in said
 

@@ -394,13 +394,13 @@ def _manifest(results, model: str, arms: list[str], seeds: list[int]) -> dict:
 
 
 def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation(tmp_path):
-    from analysis.study import collapse_table, load_runs, readable_sensitivity, sensitivity_table
+    from analysis.study import collapse_table, readable_sensitivity, sensitivity_table, study_rows
     from rpa.train.collapse import CollapseThresholds, sensitivity_settings
 
     manifest = _manifest(tmp_path, "m", ["none"], [0, 1, 2])
     for seed, kind in enumerate(("stable", "collapsed", "unconfirmed")):
         _study_run(tmp_path, f"m/none/seed{seed}", REWARDS[kind], [0.01] * 30, spike_at=12 if seed == 0 else None)
-    runs, _, _ = load_runs(tmp_path, manifest)
+    runs, _, _ = study_rows(tmp_path, manifest)
     row = collapse_table(runs, manifest).iloc[0]
     assert row["collapsed"] == "1/3" and row["unconfirmed"] == 1 and row["grad_spikes"] == 1
     sens = sensitivity_table(runs, manifest)
@@ -420,7 +420,7 @@ def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation
 def test_train_mismatch_change_is_paired_by_seed_and_step_with_a_t_interval(tmp_path):
     import math
 
-    from analysis.study import load_runs, mismatch_table, readable_mismatch
+    from analysis.study import mismatch_table, readable_mismatch, study_rows
 
     manifest = _manifest(tmp_path, "m", ["none", "rope"], [0, 1, 2])
     log_ratio = {0: 0.1, 1: 0.2, 2: 0.3}  # per seed; the steps' ratios scatter around it
@@ -432,7 +432,7 @@ def test_train_mismatch_change_is_paired_by_seed_and_step_with_a_t_interval(tmp_
             _study_run(tmp_path, f"m/rope/seed{seed}", [0.8] * 19, arm[:18] + [1.0], steps=list(range(1, 19)) + [40])
         else:
             _study_run(tmp_path, f"m/rope/seed{seed}", [0.8] * 20, arm)
-    runs, curves, _ = load_runs(tmp_path, manifest)
+    runs, curves, _ = study_rows(tmp_path, manifest)
     table = mismatch_table(tmp_path, runs, manifest, curves).set_index("arm")
     half = 4.303 * 0.1 / math.sqrt(3)  # t(0.975, df=2) x sd / sqrt(seeds)
     rope = table.loc["rope"]
@@ -456,7 +456,7 @@ def pd_isna(value) -> bool:
 def test_positions_stock_probe_change_is_not_a_measurement(tmp_path):
     import numpy as np
 
-    from analysis.study import latex_mismatch, load_runs, mismatch_table, readable_mismatch
+    from analysis.study import latex_mismatch, mismatch_table, readable_mismatch, study_rows
     from tests.test_aggregate import write_probe
 
     arms = ["none", "positions-stock", "rope"]
@@ -467,7 +467,7 @@ def test_positions_stock_probe_change_is_not_a_measurement(tmp_path):
     write_probe(tmp_path, "m", "rope", {"regions": "rope"}, base * 0.8)
     for arm in arms:
         _study_run(tmp_path, f"m/{arm}/seed0", [0.8] * 10, [0.001] * 10)
-    runs, curves, _ = load_runs(tmp_path, manifest)
+    runs, curves, _ = study_rows(tmp_path, manifest)
     table = mismatch_table(tmp_path, runs, manifest, curves)
     by = table.set_index("arm")
     assert by.loc["positions-stock", "probe_note"] == "n/a (unpadded probe)"

@@ -782,7 +782,8 @@ def test_the_run_loader_counts_only_ended_runs_and_reads_what_a_run_ran(tmp_path
     import shutil
 
     from analysis.runs import load_run
-    from analysis.train_summary import load
+    from analysis.grid_summary import train_rows
+    from rpa.workflow.manifest import manifest_text
     from tests.conftest import REPO
 
     src = REPO / "results/reference/cpu/train/tiny-qwen3/lr1e-4/none/seed0"
@@ -801,7 +802,10 @@ def test_the_run_loader_counts_only_ended_runs_and_reads_what_a_run_ran(tmp_path
     summary = json.loads((dst / "summary.json").read_text())
     summary["config"]["numerics"]["regions"] = "all"
     (dst / "summary.json").write_text(json.dumps(summary))
-    runs, _ = load(tmp_path)
+    (tmp_path / "train/manifest.json").write_text(manifest_text("train", [  # the grid's cell, as the workflow lists it
+        {"cell": "tiny-qwen3/lr1e-4/rope/seed0", "labels": {"setting": "lr1e-4", "regions": "rope"}, "seed": 0,
+         "model": "tiny-qwen3"}]))
+    runs, _ = train_rows(tmp_path)
     assert runs["regions"].tolist() == ["all"]
 
 
