@@ -18,9 +18,10 @@ SETTINGS = [SamplingSettings(), SamplingSettings(temperature=0.7), SamplingSetti
             SamplingSettings(temperature=0.6, top_p=0.8, top_k=20), SamplingSettings(top_p=1e-6)]
 
 
-def _logits(rows=64, vocab=512, seed=0, scale=4.0):
+def _logits(rows=64, vocab=512, seed=0, scale=4.0, bf16=False):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, vocab, generator=g) * scale
+    x = torch.randn(rows, vocab, generator=g) * scale
+    return x.bfloat16().float() if bf16 else x  # BF16 logits: many ties, as a BF16 LM head gives
 
 
 @pytest.mark.parametrize("bad, msg", [
@@ -38,15 +39,16 @@ def test_settings_outside_what_vllm_and_trl_define_are_refused_in_one_line(bad, 
     assert msg in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-logits", "bf16-logits"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.label)
-def test_the_kept_tokens_are_vllms_bit_for_bit(settings):
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+def test_the_kept_tokens_are_vllms_bit_for_bit(settings, bf16):
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    logits = _logits()
+    logits = _logits(bf16=bf16)
     scaled = logits / settings.temperature
     k = torch.full((logits.shape[0],), settings.top_k) if settings.top_k > 0 else None
     p = torch.full((logits.shape[0],), settings.top_p) if settings.top_p < 1 else None
-    theirs = apply_top_k_top_p_pytorch(scaled.clone(), k, p)
+    theirs = apply_top_k_top_p(scaled.clone(), k, p)  # what vLLM's CPU sampler calls
     assert torch.equal(kept_mask(logits, settings), torch.isfinite(theirs))
     # and the processed logprobs are the log-softmax of what vLLM samples from
     assert torch.equal(processed_logprobs(logits, settings), theirs.log_softmax(dim=-1, dtype=torch.float32))

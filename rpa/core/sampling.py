@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from rpa.core.errors import InputError
+
+if TYPE_CHECKING:  # torch is imported where a function runs: the options are read before any model loads
+    import torch
 
 LogprobsMode = Literal["processed", "raw"]
 LOGPROBS_MODES = ("processed", "raw")
@@ -93,6 +94,24 @@ class SamplingSettings:
         return f"T{fmt(self.temperature)}-p{fmt(self.top_p)}" + (f"-k{self.top_k}" if self.top_k > 0 else "")
 
 
+def sampling_field(name: str):
+    """A dataclass field of another options class (the probe's) that is :class:`SamplingSettings`'
+    field ``name``: the same default and help, defined once here."""
+    import dataclasses
+
+    f = next(f for f in dataclasses.fields(SamplingSettings) if f.name == name)
+    return field(default=f.default, metadata=dict(f.metadata))
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "logprobs")
+"""The fields of :class:`SamplingSettings`, as other options classes carry them."""
+
+
+def settings_of(options) -> SamplingSettings:
+    """The :class:`SamplingSettings` of an options object carrying :data:`SAMPLING_FIELDS`."""
+    return SamplingSettings(**{name: getattr(options, name) for name in SAMPLING_FIELDS})
+
+
 # ---------------------------------------------------------------------------- pure functions
 # Every function takes logits of shape (..., vocab) and works in FP32: the rounding a stack does
 # happens before (its logits), never here, so two stacks compared through these differ only by it.
@@ -100,18 +119,24 @@ class SamplingSettings:
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """``log softmax(l)``: before temperature and truncation (vLLM's ``raw_logprobs``)."""
+    import torch
+
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 def recompute_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log softmax(l / T)`` over the whole vocabulary: the trainer's recompute (TRL divides the
     logits by the temperature and does not truncate)."""
+    import torch
+
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def kept_mask(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """The tokens the sampler can draw (bool, same shape): vLLM's top-k then top-p rule on the
     temperature-scaled logits (module docstring); every token where truncation is off."""
+    import torch
+
     scaled = logits.float() / settings.temperature
     keep = torch.ones_like(scaled, dtype=torch.bool)
     if settings.top_k > 0 and settings.top_k < scaled.shape[-1]:
@@ -119,8 +144,8 @@ def kept_mask(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
         keep &= scaled >= kth  # ties with the k-th largest stay, as in vLLM
     if settings.top_p < 1:
         masked = scaled.masked_fill(~keep, -math.inf)
-        order = masked.argsort(dim=-1)  # ascending, as vLLM sorts
-        probs = torch.softmax(masked.gather(-1, order), dim=-1)
+        ascending, order = masked.sort(dim=-1)  # as vLLM sorts: the same order among ties
+        probs = torch.softmax(ascending, dim=-1)
         drop_sorted = probs.cumsum(dim=-1) <= 1 - settings.top_p  # the small tail holding at most 1 - top_p
         drop_sorted[..., -1] = False  # the most likely token always stays
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
@@ -131,6 +156,8 @@ def kept_mask(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
 def processed_logprobs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """The distribution the sampler draws from: temperature, truncation, renormalised over the kept
     tokens; ``-inf`` outside them (vLLM's ``processed_logprobs``)."""
+    import torch
+
     scaled = (logits.float() / settings.temperature).masked_fill(~kept_mask(logits, settings), -math.inf)
     return torch.log_softmax(scaled, dim=-1)
 
@@ -138,6 +165,8 @@ def processed_logprobs(logits: torch.Tensor, settings: SamplingSettings) -> torc
 def log_kept_mass(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """``log S``: the log of the temperature-scaled probability the truncation keeps (0 where it
     keeps everything), one per position."""
+    import torch
+
     logp = recompute_logprobs(logits, settings.temperature).masked_fill(~kept_mask(logits, settings), -math.inf)
     return torch.logsumexp(logp, dim=-1)
 
