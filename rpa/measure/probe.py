@@ -49,13 +49,16 @@ from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
+from rpa.core.sampling import VLLM_LOGPROBS_MODE, LogprobsMode, SamplingSettings, gap_split, sampling_field, settings_of
 from rpa.measure.scoring import (
     load_completions,
     sample_completions,
     sampler_logprobs,
+    sampler_split_tokens,
     save_completions,
     trainer_batch_logprobs,
     trainer_decode_logprobs,
+    trainer_recompute_logprobs,
     trainer_token_stats,
 )
 
@@ -92,6 +95,14 @@ class ProbeOptions:
         "help": "the first N sequences also decoded by the trainer itself through its KV cache, teacher-forced "
                 "(trainer_decode_variance: what a trainer sampling its own rollouts scores vs its recompute); "
                 "default: not measured"})
+    temperature: float = sampling_field("temperature")
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k")
+    logprobs: LogprobsMode = sampling_field("logprobs")
+    split_sequences: int | None = field(default=None, metadata={
+        "help": "the first N sequences' gap between the trainer's recompute (at the temperature, whole vocabulary) and "
+                "the logprob the sampler reports, split into rounding, truncation and temperature (sampling_split; "
+                "needs the sampler's whole distribution at each position); default: not measured"})
     prompts_file: str | None = field(default=None, metadata={
         "help": "sample from the first --prompts prompts of this file (JSON lines with 'prompt', a string or a chat "
                 "conversation rendered with the model's chat template; or one prompt per line; `rpa prompts` writes "
@@ -116,9 +127,19 @@ class ProbeOptions:
             raise InputError(f"probe option decode_sequences must be >= 1, got {self.decode_sequences}")
         if self.batch_sequences is not None and (isinstance(self.batch_sequences, bool) or self.batch_sequences < 2):
             raise InputError(f"probe option batch_sequences must be >= 2 (a padded batch), got {self.batch_sequences}")
+        if self.split_sequences is not None and (isinstance(self.split_sequences, bool) or self.split_sequences < 1):
+            raise InputError(f"probe option split_sequences must be >= 1, got {self.split_sequences}")
+        problem = SamplingSettings.problem(self)  # the sampling fields, checked as SamplingSettings checks them
+        if problem:
+            raise InputError(f"probe option {problem}")
         lo, hi = self.ratio_band
         if not 0 < lo < 1 < hi:
             raise InputError(f"ratio_band must satisfy 0 < lo < 1 < hi, got {tuple(self.ratio_band)}")
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        """How the probe's sampler draws and what it reports (:class:`~rpa.core.sampling.SamplingSettings`)."""
+        return settings_of(self)
 
     def check_engine_bounds(self) -> None:
         """The bounds vLLM itself sets on these options, read from vLLM (apart from ``__post_init__``:
@@ -140,6 +161,53 @@ def _pair_stats(a: list[float], b: list[float]) -> dict[str, float]:
     d = np.abs(x - y)
     return {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
             "frac_bitwise_equal": float(np.mean(np.asarray(a) == np.asarray(b)))}
+
+
+SPLIT_PARTS = ("total", "rounding", "truncation", "temperature")
+"""The parts of ``sampling_split`` (:func:`rpa.core.sampling.gap_split`): ``total`` = the sum of the others."""
+
+SPLIT_COLUMNS = ("seq", "position", "token_id", "logp_recompute", "logp_sampler_raw", "logp_sampler_scaled",
+                 "logp_sampler_processed", *SPLIT_PARTS)
+"""``split.csv``: per completion token of the first ``split_sequences`` sequences, the trainer's recompute at the
+temperature, the sampler's raw, temperature-scaled and processed logprob, and the gap's parts."""
+
+
+def _split_rows(split, trn, smp, sampling: SamplingSettings):
+    for c, recompute, tokens in zip(split, trn, smp):
+        for j, (tok, r, t) in enumerate(zip(c["completion_ids"], recompute, tokens)):
+            yield {"seq": c["seq"], "position": j, "token_id": tok, "logp_recompute": r, "logp_sampler_raw": t.raw,
+                   "logp_sampler_scaled": t.scaled, "logp_sampler_processed": t.processed,
+                   **gap_split(r, t, sampling.logprobs)}
+
+
+def sampling_split(split, trn, smp, sampling: SamplingSettings, ratio_band) -> dict[str, Any]:
+    """The gap between the trainer's recompute and what the sampler reports on the identical tokens,
+    and each part of it, with the probe's metrics (:func:`~rpa.measure.metrics.mismatch_metrics` of a pair
+    whose difference is the part). A token outside the sampler's own kept set (possible on tokens another
+    configuration sampled: rounding moved the truncation's edge) has no processed logprob: counted in
+    ``outside_kept`` and left out of every part."""
+    rows = list(_split_rows(split, trn, smp, sampling))
+    kept = [r for r in rows if math.isfinite(r["logp_sampler_processed"])]
+    pairs = {"total": ("logp_recompute", "reported"), "rounding": ("logp_recompute", "logp_sampler_scaled"),
+             "truncation": ("logp_sampler_scaled", "logp_sampler_processed"),
+             "temperature": ("logp_sampler_scaled", "logp_sampler_raw")}
+    reported = "logp_sampler_processed" if sampling.logprobs == "processed" else "logp_sampler_raw"
+    seqs = [r["seq"] for r in kept]
+    parts = {}
+    for part, (a, b) in pairs.items():
+        b = reported if b == "reported" else b
+        if part == "truncation" and sampling.logprobs == "raw" or part == "temperature" and sampling.logprobs == "processed":
+            continue  # not in what this mode reports (gap_split: 0)
+        parts[part] = mismatch_metrics([r[a] for r in kept], [r[b] for r in kept], seqs, ratio_band)
+    return {"settings": asdict(sampling), "label": sampling.label, "sequences": len(split), "tokens": len(rows),
+            "outside_kept": len(rows) - len(kept), "parts": parts}
+
+
+def write_split_tokens(path: Path, split, trn, smp, sampling: SamplingSettings) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(SPLIT_COLUMNS))
+        writer.writeheader()
+        writer.writerows(_split_rows(split, trn, smp, sampling))
 
 
 # ------------------------------------------------------------------------ driver
@@ -178,19 +246,23 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     vocab = int(hf_config.vocab_size)
     full = vocab <= options.full_kl_max_vocab
     _log(f"{model}: {numerics.to_dict()}; starting vLLM ({'compiled' if options.compiled else 'eager'})")
+    sampling = options.sampling
     llm = make_llm(model, numerics, enforce_eager=not options.compiled, seed=options.seed,
                    max_model_len=options.max_model_len, enable_prefix_caching=False,
-                   max_logprobs=vocab if full else 20)
+                   max_logprobs=vocab if full or options.split_sequences else 20,
+                   logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs])
     if completions_path is None:
         tokenizer = AutoTokenizer.from_pretrained(model)  # to render a chat-format prompt file's conversations
         prompts = probe_prompts(options.prompts, options.seed, options.prompts_file, tokenizer)
-        completions = sample_completions(llm, prompts, options.samples, options.max_tokens)
+        completions = sample_completions(llm, prompts, options.samples, options.max_tokens, sampling)
         save_completions(out / "completions.jsonl", completions)
         _log(f"sampled {len(completions)} completions")
     else:
         completions = load_completions(completions_path)
         _log(f"scoring {len(completions)} fixed completions from {completions_path}")
     mu, mu_dist = sampler_logprobs(llm, completions, vocab if full else None)
+    split = completions[: options.split_sequences or 0]
+    smp_split = sampler_split_tokens(llm, split, vocab, sampling) if split else []
     close_llm(llm)  # its memory back before the trainer model loads (vLLM holds most of a GPU)
     del llm
     release_memory()
@@ -212,6 +284,8 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         batch = completions[: options.batch_sequences]  # None: every sequence
         pi_batch = trainer_batch_logprobs(hf, batch, pad_id) + [[math.nan] * len(c["completion_ids"])
                                                                  for c in completions[len(batch):]]
+        trn_split = [trainer_recompute_logprobs(hf, c["prompt_ids"], c["completion_ids"], sampling.temperature)
+                     for c in split]
         decoded = completions[: options.decode_sequences or 0]
         pi_decode = [trainer_decode_logprobs(hf, c["prompt_ids"], c["completion_ids"]) for c in decoded] + \
             [[math.nan] * len(c["completion_ids"]) for c in completions[len(decoded):]]
@@ -253,6 +327,9 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
             "decode_vs_single": _pair_stats(of("logp_trainer_decode"), of("logp_trainer")),
             "decode_vs_sampler": _pair_stats(of("logp_trainer_decode"), of("logp_sampler")),
         }
+    if split:
+        summary["sampling_split"] = sampling_split(split, trn_split, smp_split, sampling, options.ratio_band)
+        write_split_tokens(out / "split.csv", split, trn_split, smp_split, sampling)
     if completions_path is None:
         summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
     summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),

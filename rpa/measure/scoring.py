@@ -37,11 +37,17 @@ class CompletionsError(UserError):
 # ---------------------------------------------------------------------- completions
 
 
-def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int) -> list[dict[str, Any]]:
-    """Temperature-1 samples with vLLM's decode-time logprob of each sampled token."""
+def sample_completions(llm, prompts: list[str], samples: int, max_tokens: int,
+                       sampling=None) -> list[dict[str, Any]]:
+    """Samples with vLLM's decode-time logprob of each sampled token (``logp_decode``: raw or processed
+    as the engine's ``logprobs_mode`` says); ``sampling``: the :class:`~rpa.core.sampling.SamplingSettings`
+    (default: temperature 1, no truncation)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, logprobs=0)
+    truncation = {} if sampling is None or not sampling.truncates else \
+        {"top_p": sampling.top_p, "top_k": sampling.top_k}  # vLLM's defaults (off) otherwise
+    params = SamplingParams(n=samples, temperature=1.0 if sampling is None else sampling.temperature,
+                            max_tokens=max_tokens, logprobs=0, **truncation)
     completions = []
     for result in llm.generate(prompts, params, use_tqdm=False):
         for c in result.outputs:
@@ -133,7 +139,39 @@ def sampler_logprobs(llm, completions, top_k: int | None) -> tuple[list[list[flo
     return logps, dists
 
 
+def sampler_split_tokens(llm, completions, vocab: int, settings) -> list[list[Any]]:
+    """The sampler's raw, temperature-scaled and processed logprob of every completion token
+    (:class:`~rpa.core.sampling.SamplerToken`), from its whole raw distribution at each position
+    (``prompt_logprobs`` over the vocabulary, one sequence at a time so that only one sequence's
+    distributions are held). Needs an engine started with ``max_logprobs`` >= ``vocab``."""
+    import torch
+
+    from rpa.core.sampling import sampler_token
+
+    out = []
+    for c in completions:
+        _, dists = sampler_logprobs(llm, [c], vocab)
+        raw = torch.from_numpy(dists[0])  # raw logprobs: logits up to a constant per position
+        out.append([sampler_token(raw[j], tok, settings) for j, tok in enumerate(c["completion_ids"])])
+    return out
+
+
 # -------------------------------------------------------------------- the trainer, π
+
+
+def trainer_recompute_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float):
+    """The trainer's recompute of each completion token at ``temperature``, over the whole vocabulary
+    (one sequence, no padding): what TRL's loss sees (:func:`rpa.core.sampling.recompute_logprobs`)."""
+    import torch
+
+    from rpa.core.sampling import recompute_logprobs
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + completion_ids], device=device)
+    with torch.no_grad():
+        logp = recompute_logprobs(model(ids).logits[0, len(prompt_ids) - 1: -1], temperature)
+    return logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+
 
 
 def trainer_token_stats(model, prompt_ids: list[int], completion_ids: list[int], *, full: bool = False):

@@ -1,0 +1,107 @@
+"""Sampling settings and the split of the trainer-sampler gap by source (rpa.core.sampling), against
+vLLM's own truncation and a direct computation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rpa.core.errors import InputError
+from rpa.core.sampling import (SamplingSettings, gap_split, kept_mask, log_kept_mass, processed_logprobs,
+                               raw_logprobs, recompute_logprobs, sampler_token)
+
+pytestmark = pytest.mark.unit
+
+SETTINGS = [SamplingSettings(), SamplingSettings(temperature=0.7), SamplingSettings(top_p=0.9),
+            SamplingSettings(temperature=0.7, top_p=0.9), SamplingSettings(top_k=5),
+            SamplingSettings(temperature=0.6, top_p=0.8, top_k=20), SamplingSettings(top_p=1e-6)]
+
+
+def _logits(rows=64, vocab=512, seed=0, scale=4.0, bf16=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * scale
+    return x.bfloat16().float() if bf16 else x  # BF16 logits: many ties, as a BF16 LM head gives
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"temperature": 0}, "temperature must be a finite number > 0, got 0"),
+    ({"temperature": math.nan}, "temperature must be a finite number > 0"),
+    ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"top_k": -2}, "top_k must be an integer >= -1 (-1 or 0: off), got -2"),
+    ({"top_k": 2.5}, "top_k must be an integer >= -1"),
+    ({"logprobs": "logits"}, "logprobs must be one of processed, raw, got 'logits'"),
+])
+def test_settings_outside_what_vllm_and_trl_define_are_refused_in_one_line(bad, msg):
+    with pytest.raises(InputError, match=None) as err:
+        SamplingSettings(**bad)
+    assert msg in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-logits", "bf16-logits"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.label)
+def test_the_kept_tokens_are_vllms_bit_for_bit(settings, bf16):
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    logits = _logits(bf16=bf16)
+    scaled = logits / settings.temperature
+    k = torch.full((logits.shape[0],), settings.top_k) if settings.top_k > 0 else None
+    p = torch.full((logits.shape[0],), settings.top_p) if settings.top_p < 1 else None
+    theirs = apply_top_k_top_p(scaled.clone(), k, p)  # what vLLM's CPU sampler calls
+    assert torch.equal(kept_mask(logits, settings), torch.isfinite(theirs))
+    # and the processed logprobs are the log-softmax of what vLLM samples from
+    assert torch.equal(processed_logprobs(logits, settings), theirs.log_softmax(dim=-1, dtype=torch.float32))
+
+
+def test_truncation_keeps_what_it_says():
+    logits = _logits()
+    assert kept_mask(logits, SamplingSettings()).all()
+    assert (kept_mask(logits, SamplingSettings(top_k=5)).sum(-1) == 5).all()  # random logits: no ties
+    assert (kept_mask(logits, SamplingSettings(top_p=1e-6)).sum(-1) == 1).all()  # only the largest
+    kept = kept_mask(logits, SamplingSettings(top_p=0.9)).sum(-1)
+    assert (kept >= 1).all() and (kept > 1).any() and (kept < logits.shape[-1]).all()
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.label)
+def test_the_log_kept_mass_is_the_direct_sum_of_the_kept_probabilities(settings):
+    logits = _logits(seed=1).double()
+    mass = log_kept_mass(logits, settings)
+    x = logits.numpy() / settings.temperature
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    direct = np.log((p * kept_mask(logits, settings).numpy()).sum(-1))
+    np.testing.assert_allclose(mass.numpy(), direct, rtol=0, atol=1e-6)
+    assert (mass <= 1e-6).all()  # a log probability, up to the FP32 floor
+    if not settings.truncates:
+        assert mass.abs().max() < 1e-6
+    # processed = scaled - log S on every kept token
+    kept = kept_mask(logits, settings)
+    diff = recompute_logprobs(logits, settings.temperature) - processed_logprobs(logits, settings)
+    np.testing.assert_allclose(diff[kept].numpy(), mass.unsqueeze(-1).expand_as(diff)[kept].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+@pytest.mark.parametrize("settings", SETTINGS[:4], ids=lambda s: s.label)
+def test_the_split_adds_up_and_its_rounding_part_is_zero_with_identical_logits(settings, mode):
+    logits = _logits(rows=8)
+    trainer = logits + 0.01 * _logits(rows=8, seed=2)  # another stack's rounding of the same logits
+    for row in range(8):
+        y = int(torch.argmax(logits[row]))  # always kept
+        smp = sampler_token(logits[row], y, settings)
+        same = gap_split(float(recompute_logprobs(logits[row], settings.temperature)[y]), smp, mode)
+        assert same["rounding"] == 0.0  # same logits, same transforms: nothing but rounding differs
+        other = gap_split(float(recompute_logprobs(trainer[row], settings.temperature)[y]), smp, mode)
+        for split in (same, other):
+            parts = split["rounding"] + split["truncation"] + split["temperature"]
+            assert split["total"] == pytest.approx(parts, abs=1e-12)
+            if mode == "processed":
+                assert split["temperature"] == 0.0
+                assert split["truncation"] == pytest.approx(float(log_kept_mass(logits[row], settings)), abs=1e-5)
+            else:
+                assert split["truncation"] == 0.0
+                t = settings.temperature
+                assert split["temperature"] == pytest.approx(
+                    float(recompute_logprobs(logits[row], t)[y] - raw_logprobs(logits[row])[y]), abs=1e-6)
+        if settings.temperature == 1 and not settings.truncates:
+            assert same["total"] == 0.0  # T = 1, no truncation: the reported logprob is the recompute's
