@@ -1,5 +1,5 @@
 """The config's ``grids:`` section: an experiment written as a grid entry in the one shape every
-experiment has (rpa.workflow.sections.grid_of), checked before anything loads, run by the one grid
+experiment has (rpa.workflow.experiments.grid_of), checked before anything loads, run by the one grid
 rule file and tabled by analysis.grid_summary."""
 
 import copy
@@ -10,7 +10,7 @@ import yaml
 
 from rpa.workflow.grid import expand
 from rpa.workflow.pipeline import PipelineConfigError, check_config
-from rpa.workflow.sections import grid_of, search_grids, train_grid, train_spec
+from rpa.workflow.experiments import grid_of, kind_cells, kind_grids, train_spec
 from tests.conftest import REPO, tail
 from tests.test_grid import _config
 from tests.test_pipeline import snakemake
@@ -51,15 +51,15 @@ def test_a_train_section_and_every_search_stage_are_grids_entries_as_written(tmp
     default = _config("config.yaml")
     config = _with_grids(tmp_path, {"grpo": train_spec(default)}, default["models"])
     config["results"] = default["results"]
-    assert _same_runs(expand(grid_of(config, "grids", config["grids"]["grpo"], "grpo")), expand(train_grid(default)))
-    assert check_config(config).cells["grids"][0].name == "grpo/" + expand(train_grid(default))[0].name
+    assert _same_runs(expand(grid_of(config, "grids", config["grids"]["grpo"], "grpo")), kind_cells(default, "train"))
+    assert check_config(config).cells["grids"][0].name == "grpo/" + kind_cells(default, "train")[0].name
 
     search = _config("collapse-cpu.yaml")
     stages = {name: {"base": search["search"]["base"], **stage} for name, stage in search["search"]["stages"].items()}
     config = _with_grids(tmp_path, stages, search["models"])
     config["results"] = search["results"]
     cells = check_config(config).cells["grids"]
-    for stage_grid in search_grids(search):
+    for stage_grid in kind_grids(search, "search"):
         stage = stage_grid.name.removeprefix("search/")
         mine = [c for c in cells if c.grid == f"grids/{stage}"]
         # the same runs, each shared warm start in the section's own folder (grids/init/... for search/init/...)
