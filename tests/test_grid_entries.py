@@ -163,4 +163,5 @@ def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
     assert list(table["lr"]) == ["hi", "lo"] and set(table["state"]) == {"finished"}
     assert (r / "grids/arms/hi/seed0/summary.json").stat().st_mtime_ns == first  # the first arm not run again
     manifest = json.loads((r / "grids/arms/manifest.json").read_text())
-    assert manifest["axes"] == {"lr": ["hi", "lo"]} and [c["cell"] for c in manifest["cells"]] == ["arms/hi/seed0", "arms/lo/seed0"]
+    assert manifest["axes"] == {"lr": ["hi", "lo"]}
+    assert [c["cell"] for c in manifest["cells"]] == ["arms/hi/seed0", "arms/lo/seed0"]

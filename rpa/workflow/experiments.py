@@ -59,7 +59,8 @@ def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: s
 
     Every key is open to a ``grids:`` entry; a fixed warm-start folder (the mapping form, as the positive
     control and the study use) makes its runs rerun when the warm start is rebuilt, where a digest-named
-    one is the same checkpoint (:func:`ancient_start`). Cells are ``<section>/[<stage>/]<labels>/seed<N>`` under the results; ``bases``: run YAMLs already
+    one is the same checkpoint (:func:`ancient_start`). Cells are ``<section>/[<stage>/]<labels>/seed<N>``
+    under the results; ``bases``: run YAMLs already
     read, by path (each read once)."""
     base = _base(spec["base"], {} if bases is None else bases)
     shared = spec.get("shared_warm_start") or False
@@ -471,7 +472,8 @@ class Kind:
 
 _STUDY_TABLES = {f"{name}_{ext}": f"tables/study_{name}.{ext}"
                  for name in ("collapse", "mismatch", "sensitivity") for ext in ("csv", "md", "tex")}
-_STUDY_FIGURES = {f"{name}_fig": f"figures/study_{name}.{{format}}" for name in ("rewards", "mismatch_curves", "heatmap")}
+_STUDY_FIGURES = {f"{name}_fig": f"figures/study_{name}.{{format}}"
+                  for name in ("rewards", "mismatch_curves", "heatmap")}
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("train", lambda config, bases: {None: train_spec(config)},

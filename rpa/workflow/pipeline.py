@@ -8,8 +8,8 @@ and validates every grid once and hands the workflow the cells (:class:`CheckedG
 
 Each kind of experiment adds its own checks as hooks (:data:`rpa.workflow.experiments.KINDS`,
 run by :func:`grid_problems`). The rest of what the workflow needs is by concern: the experiments of a config
-(:mod:`rpa.workflow.experiments`, on :mod:`rpa.workflow.grid`), its models and job files (:mod:`rpa.workflow.jobs`), what the scheduler
-is told (:mod:`rpa.workflow.resources`).
+(:mod:`rpa.workflow.experiments`, on :mod:`rpa.workflow.grid`), its models and job files
+(:mod:`rpa.workflow.jobs`), what the scheduler is told (:mod:`rpa.workflow.resources`).
 """
 
 from __future__ import annotations
