@@ -9,8 +9,8 @@
 #   snakemake grids --cores 2 --configfile my-grids.yaml        # every entry of a grids: section
 #   (a --configfile replaces experiments/config.yaml; it is not merged into it)
 #
-# Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk); the runs
-# of every grid (GRPO grid, positive control, study, collapse search, grids: entries) in rules/grids.smk.
+# Rules are grouped by stage in rules/*.smk (shared input functions in rules/common.smk); every
+# experiment (GRPO grid, positive control, study, collapse search, grids: entries) in rules/experiments.smk.
 # The config is validated twice before any job starts: its shape against
 # experiments/schema/config.schema.yaml (which also holds every default), its meaning by
 # rpa.workflow.pipeline.check_config.
@@ -60,10 +60,5 @@ include: "rules/probe.smk"
 include: "rules/diagnose.smk"
 include: "rules/attribution.smk"
 include: "rules/analysis.smk"
-include: "rules/train.smk"
-include: "rules/dose.smk"
-include: "rules/study.smk"
-include: "rules/search.smk"
-include: "rules/grids.smk"
-include: "rules/entries.smk"
+include: "rules/experiments.smk"
 include: "rules/paper.smk"

@@ -2,13 +2,13 @@
 
 import re
 
+from rpa.workflow.experiments import (GRID_SECTIONS, KINDS, MULTI_GRID_SECTIONS, ancient_start, entries, entry_of,
+                                      grid_stage, manifest)
 from rpa.workflow.jobs import (attribution_job, diagnose_job, gguf_flags, model_configs, model_kind, model_location,
                                parity_job, probe_job, prompts_flags, prompts_task, tiny_flags)
-from rpa.workflow.manifest import manifest_text
 from rpa.workflow.pipeline import PipelineConfigError
-from rpa.workflow.resources import gpu_shortfall, study_priorities, study_resources
-from rpa.workflow.sections import (GRID_SECTIONS, MULTI_GRID_SECTIONS, dose_label, dose_points, grid_entries,
-                                   grid_stage, search_points, study_arm_names, study_points, train_points)
+from rpa.workflow.resources import gpu_shortfall, study_priorities
+from rpa.workflow.resources import group_resources as resources_of_group
 
 R = config["results"]
 MODELS = list(config["models"])
@@ -27,11 +27,6 @@ DEVICE = config["device"]  # trainer side of parity / probe / diagnose
 GPU = config["gpus_per_job"]  # GPUs a parity / probe / diagnose job takes (0 on CPU)
 # GRIDS, CELLS (the Snakefile's check_config): every grid's cells, expanded and validated once, and
 # their process groups
-TRAIN = {(p["model"], p["setting"], p["regions"], str(p["seed"])): p["config"]
-         for p in train_points(config, CELLS["train"])} if config.get("train") else {}
-DOSE = {p["cell"]: p["config"] for p in dose_points(config, CELLS["dose"])} if config.get("dose") else {}
-DOSE_INIT = dict(CELLS["dose"][0].init.config) if CELLS["dose"] else None  # the one warm start of every dose cell
-STUDY = {p["cell"]: p for p in study_points(config, CELLS["study"])} if config.get("study") else {}
 # every grid's runs by process: `<section>/<group>` (its record's path under the results, less .json)
 # -> (section, Group), one `rpa train` process (one job) each
 GRID_GROUPS = {f"{section}/{g.name}": (section, g) for section in GRID_SECTIONS for g in GRIDS.groups[section]}
@@ -39,7 +34,6 @@ STUDY_GROUPS = {key.removeprefix("study/"): [c.name for c in g.cells] for key, (
                 if section == "study"}  # group -> its cells
 # the ready job of highest priority runs first: a study job's minutes of training, or those it unlocks
 STUDY_PRIORITY = study_priorities(config, STUDY_GROUPS) if config.get("study") else {}
-SEARCH = {p["cell"]: p for p in search_points(config, cells=CELLS["search"])} if config.get("search") else {}
 # a workstation lends its GPUs through Snakemake's gpu resource: a job needing more is refused now,
 # not started and left waiting for GPUs the machine does not have
 _SHORT = gpu_shortfall(config, getattr(workflow.global_resources.get("gpu"), "value", None))

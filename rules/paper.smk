@@ -4,7 +4,7 @@
 
 def paper_inputs(wildcards=None):
     inputs = study_outputs() + probe_tables() + analysis_figures()
-    if DOSE:
+    if CELLS["dose"]:
         inputs += [f"{R}/tables/dose.md", f"{R}/tables/dose.csv", f"{R}/figures/dose_response.{FIGURES['format']}"]
     if config["search_results"]:
         inputs += [f"{config['search_results']}/tables/search_pilot.json"]

@@ -10,7 +10,7 @@ import yaml
 
 from analysis.collapse_search import clopper_pearson, decision, main, pilot, search_rows
 from rpa.workflow.pipeline import PipelineConfigError, check_config
-from rpa.workflow.sections import search_points
+from rpa.workflow.experiments import grid_stage, kind_cells
 from tests.conftest import REPO, tail
 from tests.test_pipeline import snakemake
 
@@ -19,22 +19,22 @@ CONFIG = yaml.safe_load((REPO / "experiments/collapse-cpu.yaml").read_text())
 
 def test_config_is_valid_and_every_cell_is_listed_once(tmp_path):
     check_config(CONFIG)
-    points = search_points(CONFIG)
-    cells = [p["cell"] for p in points]
+    points = kind_cells(CONFIG, "search")
+    cells = [c.name for c in points]
     assert len(cells) == len(set(cells))
     for stage, spec in CONFIG["search"]["stages"].items():
         n = len(spec["seeds"])
         for values in spec["axes"].values():
             n *= len(values)
-        assert sum(p["stage"] == stage for p in points) == n
+        assert sum(grid_stage(c) == stage for c in points) == n
         proc = snakemake("-n", "--cores", "2", f"collapse_{stage}", "--configfile", "experiments/collapse-cpu.yaml",
                          "--config", f"results={tmp_path / 'r'}")
         assert proc.returncode == 0, tail(proc)
         jobs = [line for line in proc.stdout.splitlines() if line.strip().startswith("grid_run ")]
         assert jobs and int(jobs[0].split()[1]) == n  # snakemake's job count: each cell once
-    pilot_cells = [p for p in points if p["stage"] == "pilot"]
-    assert all(p["config"]["steps"] == 10 and p["config"]["old_logprobs"] == "sampler" for p in pilot_cells)
-    assert all(p["config"]["model"].endswith(f"/models/{p['model']}") for p in pilot_cells)
+    pilot_cells = [c for c in points if grid_stage(c) == "pilot"]
+    assert all(c.config["steps"] == 10 and c.config["old_logprobs"] == "sampler" for c in pilot_cells)
+    assert all(c.config["model"].endswith(f"/models/{c.model}") for c in pilot_cells)
 
 
 def test_bad_search_entries_are_named():
@@ -124,9 +124,9 @@ def test_the_lever_stage_is_judged_by_the_grids_rule_and_shares_its_warm_starts(
     assert main(["--results", str(tmp_path), "--stage", "lever", "--figure", str(tmp_path / "f.png")]) == 0
     assert json.loads((tmp_path / "tables/search_lever.json").read_text())["decision"]["outcome"] == "collapses naturally"
     assert "before the lever ran" in (tmp_path / "tables/search_lever.md").read_text()
-    lever, grid = search_points(CONFIG, "lever"), search_points(CONFIG, "grid")
-    assert {p["init"]["name"] for p in lever} == {p["init"]["name"] for p in grid}
-    assert all(p["config"]["updates_per_generation"] == 4 for p in lever)
+    lever, grid = kind_cells(CONFIG, "search", "lever"), kind_cells(CONFIG, "search", "grid")
+    assert {c.init.name for c in lever} == {c.init.name for c in grid}
+    assert all(c.config["updates_per_generation"] == 4 for c in lever)
 
 
 def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
@@ -150,14 +150,14 @@ def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
         "axes": {"lr": {"lr1": {"learning_rate": 1e-4}, "lr2": {"learning_rate": 2e-4}},
                  "arm": {"fp32": {"numerics": {"precision": "fp32"}}, "none": {}, "all": {"numerics": {"regions": "all"}}}}}
     check_config(config)
-    grid = [p for p in search_points(config, "grid")]
-    inits = {p["init"]["name"] for p in grid}
+    grid = kind_cells(config, "search", "grid")
+    inits = {c.init.name for c in grid}
     assert len(grid) == 12 and len(inits) == 2  # one per seed, shared by every lr and arm
-    for p in grid:
-        assert p["config"]["model"] == p["init"]["dir"] and p["config"]["warm_start"]["steps"] == 0
-        assert p["init"]["config"]["warm_start"]["steps"] == 40 and p["init"]["config"]["seed"] == p["seed"]
+    for c in grid:
+        assert c.config["model"] == c.init.dir and c.config["warm_start"]["steps"] == 0
+        assert c.init.config["warm_start"]["steps"] == 40 and c.init.config["seed"] == c.seed
     # the pilot keeps its own per-run warm start
-    assert all(p["init"] is None for p in search_points(config, "pilot"))
+    assert all(c.init is None for c in kind_cells(config, "search", "pilot"))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", str(path), "--config",
@@ -224,7 +224,7 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
     for f in sorted(p for p in clone.rglob("*") if p.is_file()):  # a clone's times: path order
         t = 1e9 + (0 if is_record(f) else 10)  # the records (before their run folders) the oldest
         os.utime(f, (t, t))
-    grid = [p for p in search_points(CONFIG, "grid")]
+    grid = kind_cells(CONFIG, "search", "grid")
 
     def runs_to_do(res):
         proc = snakemake("-n", "--cores", "2", "collapse_grid", "--configfile", "experiments/collapse-cpu.yaml",

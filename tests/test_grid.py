@@ -7,7 +7,7 @@ import yaml
 from rpa.train.config import TrainConfig, TrainConfigError
 from rpa.workflow.grid import BASE, CELL, Axis, Grid, SharedWarmStart, expand
 from rpa.workflow.pipeline import check_config
-from rpa.workflow.sections import dose_grid, search_grids, study_grid, train_grid
+from rpa.workflow.experiments import kind_cells, kind_grids
 from tests.conftest import REPO
 
 BASE_RUN = {"model": "tiny", "task": {"name": "count", "num_prompts": 8}, "numerics": {"regions": "none"},
@@ -105,19 +105,16 @@ def _config(name):
 
 
 def test_every_committed_experiment_is_a_grid_of_valid_cells():
-    """The four sections of the committed configs, each through the one expander: cells unique,
+    """The four kinds of the committed configs, each through the one expander: cells unique,
     every run config valid, and check_config hands the workflow those cells."""
     seen = set()
     for name in ("config.yaml", "study-cpu.yaml", "collapse-cpu.yaml", "collapse-smollm2.yaml"):
         config = _config(name)
         cells = check_config(config).cells if name != "collapse-smollm2.yaml" else None
-        grids = {"train": [train_grid], "dose": [dose_grid], "study": [study_grid],
-                 "search": [lambda c: search_grids(c)]}
-        for section, (make,) in grids.items():
+        for section in ("train", "dose", "study", "search"):
             if not config.get(section):
                 continue
-            made = make(config)
-            expanded = [c for g in (made if isinstance(made, list) else [made]) for c in expand(g)]
+            expanded = [c for g in kind_grids(config, section) for c in expand(g)]
             assert len({c.name for c in expanded}) == len(expanded), (name, section)
             if cells is not None:
                 assert [c.name for c in cells[section]] == [c.name for c in expanded]
@@ -135,10 +132,7 @@ def test_every_committed_run_is_its_cells_run(name, committed, section):
     as the canonical ``TrainConfig.to_dict()`` (of the fields TrainConfig had when it was written)
     -- an expansion that changed a finished run would make Snakemake run it again."""
     config = _config(name)
-    if section == "train":
-        cells = {f"train/{c.name}": c for c in expand(train_grid(config))}
-    else:
-        cells = {f"search/{c.name}": c for g in search_grids(config) for c in expand(g)}
+    cells = {f"{section}/{c.name}": c for c in kind_cells(config, section)}
     root = REPO / "results/reference" / committed
     files = {str(p.parent.relative_to(root)): p for p in root.glob(f"{section}/**/run.yaml")
              if "stale-lm-head" not in p.parts}
@@ -155,6 +149,6 @@ def test_every_committed_run_is_its_cells_run(name, committed, section):
 def test_a_run_file_is_the_canonical_config_rpa_train_reads_back(tmp_path):
     (c, *_) = expand(_grid(base={**BASE_RUN, "task": {"name": "count", "num_prompts": 8, "eval_prompts": 2}}))
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(c.run.to_dict(), sort_keys=False))  # what rules/grids.smk writes
+    path.write_text(yaml.safe_dump(c.run.to_dict(), sort_keys=False))  # what rules/experiments.smk writes
     assert TrainConfig.from_yaml(path) == c.run
     assert set(yaml.safe_load(path.read_text())) == {f.name for f in __import__("dataclasses").fields(TrainConfig)}

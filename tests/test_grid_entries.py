@@ -1,8 +1,9 @@
 """The config's ``grids:`` section: an experiment written as a grid entry in the one shape every
-experiment has (rpa.workflow.sections.grid_of), checked before anything loads, run by the one grid
+experiment has (rpa.workflow.experiments.grid_of), checked before anything loads, run by the one grid
 rule file and tabled by analysis.grid_summary."""
 
 import copy
+import json
 
 import pandas as pd
 import pytest
@@ -10,7 +11,7 @@ import yaml
 
 from rpa.workflow.grid import expand
 from rpa.workflow.pipeline import PipelineConfigError, check_config
-from rpa.workflow.sections import grid_of, search_grids, train_grid, train_spec
+from rpa.workflow.experiments import grid_of, kind_cells, kind_grids, train_spec
 from tests.conftest import REPO, tail
 from tests.test_grid import _config
 from tests.test_pipeline import snakemake
@@ -51,15 +52,15 @@ def test_a_train_section_and_every_search_stage_are_grids_entries_as_written(tmp
     default = _config("config.yaml")
     config = _with_grids(tmp_path, {"grpo": train_spec(default)}, default["models"])
     config["results"] = default["results"]
-    assert _same_runs(expand(grid_of(config, "grids", config["grids"]["grpo"], "grpo")), expand(train_grid(default)))
-    assert check_config(config).cells["grids"][0].name == "grpo/" + expand(train_grid(default))[0].name
+    assert _same_runs(expand(grid_of(config, "grids", config["grids"]["grpo"], "grpo")), kind_cells(default, "train"))
+    assert check_config(config).cells["grids"][0].name == "grpo/" + kind_cells(default, "train")[0].name
 
     search = _config("collapse-cpu.yaml")
     stages = {name: {"base": search["search"]["base"], **stage} for name, stage in search["search"]["stages"].items()}
     config = _with_grids(tmp_path, stages, search["models"])
     config["results"] = search["results"]
     cells = check_config(config).cells["grids"]
-    for stage_grid in search_grids(search):
+    for stage_grid in kind_grids(search, "search"):
         stage = stage_grid.name.removeprefix("search/")
         mine = [c for c in cells if c.grid == f"grids/{stage}"]
         # the same runs, each shared warm start in the section's own folder (grids/init/... for search/init/...)
@@ -137,3 +138,30 @@ def test_the_documented_grids_entry_is_a_valid_config(tmp_path):
     cells = check_config(_with_grids(tmp_path, entry)).cells["grids"]
     assert len(cells) == 9 and cells[0].name == "lr-sweep/none/hi/seed0"
     assert not [c for c in cells if c.labels == {"regions": "all", "lr": "lo"}]
+
+
+@pytest.mark.engine
+def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
+    """The README's recipe "add an arm": the cheapest grids: entry (one arm, tiny model, 2 steps) is run,
+    then one more label is written on its axis in the YAML and nothing else; the next `snakemake grids`
+    runs the new cell only and the entry's table gains its row (the first run is not run again)."""
+    entry = {"base": "experiments/train/collapse-walk.yaml", "seeds": [0], "overrides": {**RUN, "model": "tiny-qwen3"},
+             "resources": {"mem_mb": 3500, "runtime": 9}, "axes": {"lr": {"hi": {"learning_rate": 1e-3}}}}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(_with_grids(tmp_path, {"arms": entry}), sort_keys=False))
+    proc = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
+    assert proc.returncode == 0, tail(proc, 6000)
+    r = tmp_path / "r"
+    assert list(pd.read_csv(r / "tables/grids/arms.csv")["lr"]) == ["hi"]
+    first = (r / "grids/arms/hi/seed0/summary.json").stat().st_mtime_ns
+    config = yaml.safe_load(cfg.read_text())  # the copy of the config with one more arm, nothing else changed
+    config["grids"]["arms"]["axes"]["lr"]["lo"] = {"learning_rate": 1e-5}
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
+    assert proc.returncode == 0, tail(proc, 6000)
+    table = pd.read_csv(r / "tables/grids/arms.csv")
+    assert list(table["lr"]) == ["hi", "lo"] and set(table["state"]) == {"finished"}
+    assert (r / "grids/arms/hi/seed0/summary.json").stat().st_mtime_ns == first  # the first arm not run again
+    manifest = json.loads((r / "grids/arms/manifest.json").read_text())
+    assert manifest["axes"] == {"lr": ["hi", "lo"]}
+    assert [c["cell"] for c in manifest["cells"]] == ["arms/hi/seed0", "arms/lo/seed0"]

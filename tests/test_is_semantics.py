@@ -73,11 +73,11 @@ def test_dose_grid_skips_and_marks_those_cells():
     import yaml
 
     from analysis.dose import dose_rows, invalid_setting, thresholds
-    from rpa.workflow.sections import dose_points
+    from rpa.workflow.experiments import kind_cells
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/config.yaml").read_text())
-    points = dose_points(config)
+    points = [c.labels for c in kind_cells(config, "dose")]
     assert not [p for p in points if p["is_correction"] != "off" and p["old_logprobs"] == "sampler"]
     assert [p for p in points if p["is_correction"] == "off" and p["old_logprobs"] == "sampler"]
     committed = REPO / "results/reference/cpu"

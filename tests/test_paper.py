@@ -58,7 +58,7 @@ def test_main_tex_takes_the_rule_from_claims_not_from_its_own_text():
     prose = re.sub(r"%.*", "", tex).lower()
     for hard_coded in ("five steps", "five consecutive", "half of its running best", "5 steps"):
         assert hard_coded not in prose
-    # the sensitivity table is a declared output of the study's tables (rules/study.smk), so the paper
+    # the sensitivity table is a declared output of the study's tables (rules/experiments.smk), so the paper
     # inputs it outright: a missing one stops the build instead of leaving the section out unseen
     assert "\\input{study_sensitivity.tex}" in tex and "\\IfFileExists{study_sensitivity.tex}" not in tex
 

@@ -93,7 +93,7 @@ def test_one_file_jobs_write_exactly_the_job_in_snakemakes_own_process(tmp_path)
     """Job files and run configs are written by a shell job (a `run:` job would start a new
     Snakemake process for each): byte for byte the YAML the command reads, nothing else left."""
     from rpa.workflow.jobs import model_location, parity_job, probe_job
-    from rpa.workflow.sections import study_points
+    from rpa.workflow.experiments import kind_cells
 
     results = tmp_path / "results"
     cfg = write_config(tmp_path, {**DEFAULT, "results": str(results)})
@@ -109,15 +109,15 @@ def test_one_file_jobs_write_exactly_the_job_in_snakemakes_own_process(tmp_path)
                                                sort_keys=False)
     assert parity.read_text() == yaml.safe_dump(parity_job(config, model, DEFAULT["device"]), sort_keys=False)
     study = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
-    cell = study_points({**study, "results": str(results)})[0]
-    run = results / "study" / cell["cell"] / "run.yaml"
+    cell = kind_cells({**study, "results": str(results)}, "study")[0]
+    run = results / "study" / cell.name / "run.yaml"
     proc = snakemake(str(run), "--cores", "1", "--configfile", "experiments/study-cpu.yaml",
                      "--config", f"results={results}")
     assert proc.returncode == 0, tail(proc)
     from rpa.train.config import TrainConfig
 
     # a run file: the cell's validated config in full, as rpa train reads it back
-    assert run.read_text() == yaml.safe_dump(TrainConfig.from_dict(cell["config"]).to_dict(), sort_keys=False)
+    assert run.read_text() == yaml.safe_dump(TrainConfig.from_dict(dict(cell.config)).to_dict(), sort_keys=False)
     assert not list(results.glob("**/*.tmp"))
 
 

@@ -119,22 +119,21 @@ def test_the_real_model_search_config_states_its_grid_and_questions():
     rule's windows inside its logged steps, and every question names two of its arms."""
     import yaml
 
-    from rpa.train.config import TrainConfig
     from rpa.workflow.pipeline import check_config
-    from rpa.workflow.sections import search_points
+    from rpa.workflow.experiments import kind_cells
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "experiments/collapse-smollm2.yaml").read_text())
     check_config(config)
-    grid = search_points(config, "grid")
-    assert len(grid) == 4 * 8 and {p["labels"]["arm"] for p in grid} == {"fp32", "none", "all", "self-sampled"}
-    run = TrainConfig.from_dict(grid[0]["config"])
+    grid = kind_cells(config, "search", "grid")
+    assert len(grid) == 4 * 8 and {c.labels["arm"] for c in grid} == {"fp32", "none", "all", "self-sampled"}
+    run = grid[0].run
     logged = run.steps // run.updates_per_generation  # TRL logs once per generated batch
     assert run.collapse.smoothing_window + run.collapse.min_steps_after_drop < logged
     assert not run.keep_checkpoints and run.checkpoint_every % run.updates_per_generation == 0
     rule = config["search"]["decision"]
     assert set(rule["questions"]) == {"Q1", "Q2", "Q3", "Q4"}
-    assert all(q[side] in {p["labels"]["arm"] for p in grid} for q in rule["questions"].values() for side in "ab")
+    assert all(q[side] in {c.labels["arm"] for c in grid} for q in rule["questions"].values() for side in "ab")
     assert smallest_detectable_rate(8, rule["alpha"]) == pytest.approx(0.59)  # what the config's comment says
 
 

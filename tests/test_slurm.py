@@ -110,7 +110,7 @@ def test_every_pilot_job_is_one_task_on_one_node_too(tmp_path):
 def test_config_writing_jobs_are_local_rules():
     """~145 one-line jobs that only write a file from the config must not become SLURM jobs."""
     local = local_rules()
-    assert {"grid_run_file", "study_manifest", "search_manifest"} <= local
+    assert {"grid_run_file", "manifest"} <= local
     assert not local & {"grid_run", "probe", "parity", "diagnose", "study_aggregate"}
 
 

@@ -12,12 +12,23 @@ import yaml
 from rpa.workflow.grid import deep_merge
 from rpa.workflow.pipeline import check_config
 from rpa.workflow.resources import study_resources
-from rpa.workflow.sections import study_groups, study_points, train_points
+from rpa.workflow.experiments import grid_groups, kind_cells
 from tests.conftest import REPO, assert_figure, run_py, tail
 from tests.test_pipeline import DEFAULT, snakemake
 
 STUDY = yaml.safe_load((REPO / "experiments/study.yaml").read_text())
 STUDY_CPU = yaml.safe_load((REPO / "experiments/study-cpu.yaml").read_text())
+
+
+def study_points(config):
+    """The study's cells (rpa.workflow.experiments.kind_cells) as rows: cell, model, arm, seed, run config."""
+    return [{"cell": c.name, "model": c.labels["model"], "arm": c.labels["arm"], "seed": c.seed, "config": c.config}
+            for c in kind_cells(config, "study")]
+
+
+def study_groups(config):
+    """The study's process groups: name -> its cells' names."""
+    return {g.name: [c.name for c in g.cells] for g in grid_groups(config, "study", kind_cells(config, "study"))}
 
 
 def test_overrides_merge_key_by_key_numerics_included():
@@ -26,9 +37,9 @@ def test_overrides_merge_key_by_key_numerics_included():
                                                                "steps": 3}
     config = {**DEFAULT, "train": {**DEFAULT["train"], "regions": ["none"], "seeds": [0],
                                    "settings": {"half": {"numerics": {"precision": "fp16"}, "steps": 7}}}}
-    (point,) = train_points(config)
-    assert point["config"]["numerics"]["precision"] == "fp16"  # the old grid dropped it (came out bf16)
-    assert point["config"]["steps"] == 7 and point["model"] == "tiny-qwen3"
+    (cell,) = kind_cells(config, "train")
+    assert cell.config["numerics"]["precision"] == "fp16"  # the old grid dropped it (came out bf16)
+    assert cell.config["steps"] == 7 and cell.model == "tiny-qwen3"
 
 
 @pytest.mark.parametrize("config", [STUDY, STUDY_CPU], ids=["gpu-study", "cpu-miniature"])

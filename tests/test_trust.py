@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rpa.workflow.pipeline import PipelineConfigError, check_config
-from rpa.workflow.sections import study_points
+from rpa.workflow.experiments import kind_cells
 from tests.conftest import REPO, tail
 from tests.test_pipeline import snakemake, write_config
 
@@ -58,9 +58,9 @@ def test_probe_mode_must_match_the_engine_training_samples_with():
 
 @pytest.mark.parametrize("config", [STUDY, STUDY_CPU], ids=["gpu-study", "cpu-miniature"])
 def test_both_study_grids_have_an_fp32_negative_control_with_its_probe(config):
-    runs = [p for p in study_points(config) if p["arm"] == "fp32"]
+    runs = [c for c in kind_cells(config, "study") if c.labels["arm"] == "fp32"]
     assert len(runs) == len(config["study"]["models"]) * len(config["study"]["seeds"])
-    assert all(p["config"]["numerics"]["precision"] == "fp32" for p in runs)
+    assert all(c.config["numerics"]["precision"] == "fp32" for c in runs)
     assert config["probe"]["configs"]["fp32"]["precision"] == "fp32"
 
 

@@ -250,7 +250,7 @@ def _train_fsdp2(model: Path, out: Path) -> Result:
         return None, f"needs 2 CUDA GPUs, this machine has {gpus}"
     if not FSDP2_CONFIG.exists():
         return False, f"no accelerate config {FSDP2_CONFIG} (run from a checkout of the repository)"
-    # as the study launches a multi-GPU cell (rules/study.smk): two free GPUs from rpa.workflow.gpus, then accelerate
+    # as the study launches a multi-GPU cell (rules/experiments.smk): two free GPUs from rpa.workflow.gpus, then accelerate
     launcher = [sys.executable, "-m", "rpa.workflow.gpus", "--count", "2", "--", sys.executable, "-m",
                 "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG), "--num_processes", "2"]
     records, why = _run_train(model, out, launcher=launcher)

@@ -6,7 +6,7 @@ a base run config, axes of labelled overrides, seeds, the label combinations it 
 where its cells share a warm start. :func:`expand` turns it into :class:`Cell` s, each holding its
 run config (the mapping its ``run.yaml`` is written from) and, built once on first use, the
 validated :class:`~rpa.train.config.TrainConfig`. How a config section becomes a grid is in
-:mod:`rpa.workflow.sections`; nothing here knows the sections.
+:mod:`rpa.workflow.experiments`; nothing here knows the sections.
 
 A cell's run config, in order (every override merged key by key: :func:`deep_merge`):
 

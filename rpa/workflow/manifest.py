@@ -70,6 +70,11 @@ def manifest(kind: str, cells: Iterable[Any], extras: Mapping[str, Any] | None =
             **{k: v for k, v in values.items() if k not in KEYS[kind]}}
 
 
+def dumps(made: Mapping[str, Any]) -> str:
+    """A manifest as the file holds it (one space of indent, a final newline)."""
+    return json.dumps(made, indent=1) + "\n"
+
+
 def manifest_text(kind: str, cells: Iterable[Any], extras: Mapping[str, Any] | None = None) -> str:
-    """:func:`manifest` as the file holds it (one space of indent, a final newline)."""
-    return json.dumps(manifest(kind, cells, extras), indent=1) + "\n"
+    """:func:`manifest` as the file holds it (:func:`dumps`)."""
+    return dumps(manifest(kind, cells, extras))

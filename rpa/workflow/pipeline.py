@@ -6,9 +6,10 @@ that mean nothing, tiny-model specs, and cross references between sections. Ever
 problem names its entry (``probe.configs.fp32x: ...``) and all are reported at once. It expands
 and validates every grid once and hands the workflow the cells (:class:`CheckedGrids`).
 
-The rest of what the workflow needs is by concern: the grids of a config (:mod:`rpa.workflow.sections`,
-on :mod:`rpa.workflow.grid`), its models and job files (:mod:`rpa.workflow.jobs`), what the scheduler
-is told (:mod:`rpa.workflow.resources`).
+Each kind of experiment adds its own checks as hooks (:data:`rpa.workflow.experiments.KINDS`,
+run by :func:`grid_problems`). The rest of what the workflow needs is by concern: the experiments of a config
+(:mod:`rpa.workflow.experiments`, on :mod:`rpa.workflow.grid`), its models and job files
+(:mod:`rpa.workflow.jobs`), what the scheduler is told (:mod:`rpa.workflow.resources`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from typing import Any
 
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.core.regions import RegionError, parse_regions
-from rpa.core.yamlfiles import YamlError, load_yaml
-from rpa.workflow.grid import Cell, Grid, Group, expand
+from rpa.core.yamlfiles import load_yaml
+from rpa.workflow.experiments import GRID_SECTIONS, KINDS, grid_groups, kind_grids
+from rpa.workflow.grid import WARM_START_INPUTS, Cell, Group, expand
 from rpa.workflow.jobs import parity_options, probe_options, prompts_task
-from rpa.workflow.resources import BYTES_PER_PARAMETER, study_resources
-from rpa.workflow.sections import (GRID_SECTIONS, SEARCH_STAGES, dose_grid, dose_label, grid_groups, named_grids,
-                                   search_grids, search_points, study_arm_names, study_arms, study_grid, train_grid)
 
 
 class PipelineConfigError(ValueError):
@@ -225,13 +224,11 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
         for name in (config.get(section) or {}).get(key) or []:
             if name not in configs:
                 problems.append(f"{section}.{key}: {name!r} is not a name in probe.configs")
-    checks = {"train": _train_problems, "dose": _dose_problems, "study": _study_problems, "search": _search_problems,
-              "grids": _grids_problems}
     cells: dict[str, list[Cell]] = {section: [] for section in GRID_SECTIONS}
     groups: dict[str, list[Group]] = {section: [] for section in GRID_SECTIONS}
     for section in GRID_SECTIONS:
         if config.get(section):
-            found, cells[section] = checks[section](config)
+            found, cells[section] = grid_problems(config, section)
             problems += found
             if not found:  # the groups read every run's numerics
                 try:
@@ -266,198 +263,40 @@ def _invalid_runs(cells: list[Cell], where) -> list[str]:
             for err, names in failing.items()]
 
 
-def _train_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
-    train = config["train"]
-    if train["model"] not in config.get("models", {}):
-        return [f"train.model: {train['model']!r} is not a name in models"], []
-    try:
-        cells = expand(train_grid(config))
-    except (OSError, RegionError, YamlError) as err:
-        return [f"train: {err}"], []
-    return _invalid_runs(cells, lambda c: f"train.settings.{c.labels['setting']} (regions {c.labels['regions']}, "
-                                          f"seed {c.seed})"), cells
-
-
-def _dose_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
+def grid_problems(config: dict[str, Any], kind: str) -> tuple[list[str], list[Cell]]:
+    """What is wrong with the entries of a config's ``kind`` section, and its cells where nothing is: the
+    kind's own checks of the section as written (:attr:`~rpa.workflow.experiments.Kind.before`), entries that
+    do not expand, cells that name no model, invalid run configs, two cells in one directory, then the kind's
+    checks of its cells (:attr:`~rpa.workflow.experiments.Kind.after`)."""
     from rpa.train.config import TrainConfig, TrainConfigError
 
-    dose = config["dose"]
-    if dose["model"] not in config.get("models", {}):
-        return [f"dose.model: {dose['model']!r} is not a name in models"], []
-    arms = [dose_label(d) for d in dose["doses"]] + list(dose.get("anchors") or {})
-    if len(set(arms)) != len(arms):
-        return ["dose: two cells share a directory (a dose repeated, or an anchor named like a dose)"], []
-    try:
-        cells = expand(dose_grid(config))
-        for init in {c.init.dir: c.init for c in cells if c.init}.values():
-            TrainConfig.from_dict(dict(init.config))
-    except (OSError, TrainConfigError, ValueError) as err:
-        return [f"dose: {err}"], []
-    return _invalid_runs(cells, lambda c: f"dose cell {c.name}"), cells
-
-
-def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str]:
-    """One line per model and arm whose colocated vLLM cannot hold its weights in its share of one
-    GPU: ``study.parameters`` x the precision's bytes (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel
-    ranks, against ``vllm_gpu_memory_utilization`` x ``study.gpu_memory_gb`` (the share vLLM takes;
-    its KV cache needs room on top). Nothing is checked where either figure is missing."""
-    study = config["study"]
-    memory, sizes = study.get("gpu_memory_gb"), study.get("parameters") or {}
-    if not memory:
-        return []
-    problems, seen = [], set()
-    for c in cells:
-        model, arm = c.labels["model"], c.labels["arm"]
-        if (model, arm) in seen or model not in sizes:
-            continue
-        seen.add((model, arm))
-        cfg = c.run
-        if cfg.rollouts != "vllm":  # no engine: the trainer samples
-            continue
-        precision, count = cfg.numerics.precision, sizes[model]
-        weights = count * BYTES_PER_PARAMETER[precision] / cfg.vllm_tensor_parallel_size / 1e9
-        share = cfg.vllm_gpu_memory_utilization * memory
-        if weights >= share:
-            split = f" / {cfg.vllm_tensor_parallel_size} ranks" if cfg.vllm_tensor_parallel_size > 1 else ""
-            problems.append(
-                f"study.arms.{arm} ({model}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
-                f"parameters x {BYTES_PER_PARAMETER[precision]} bytes{split}), do not fit its share of one "
-                f"{memory:g} GB GPU (vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization:g}: "
-                f"{share:.1f} GB); raise the arm's vllm_gpu_memory_utilization or run it on smaller sizes only "
-                f"(study.size_arms)")
-    return problems
-
-
-def _study_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
-    from rpa.train.config import TrainConfig, TrainConfigError
-
-    study = config["study"]
-    problems = [f"study.models: {m!r} is not a name in models" for m in study["models"]
-                if m not in config.get("models", {})]
-    problems += [f"study.sizes: {m!r} is not in study.models" for m in (study.get("sizes") or {})
-                 if m not in study["models"]]
-    problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
-                 if m not in study["models"]]
-    problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
-                 if m not in study["models"]]
-    reference = study.get("reference_arm", "none")
-    if reference not in study_arm_names(study):
-        import difflib
-
-        near = difflib.get_close_matches(str(reference), study_arm_names(study), n=1)
-        problems.append(f"study.reference_arm: {reference!r} is not an arm of study.arms"
-                        + (f" (did you mean {near[0]!r}?)" if near else ""))
-    problems += [f"study.parameters: {m!r} is not in study.models" for m in (study.get("parameters") or {})
-                 if m not in study["models"]]
-    problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
-                 (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
-    first: dict[str, tuple[str, Any]] = {}  # a per-size arm is one arm of the grid: the same overrides on each size
-    for m, arms in (study.get("size_arms") or {}).items():
-        for a, overrides in (arms or {}).items():
-            if a in first and (overrides or {}) != first[a][1]:
-                problems.append(f"study.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
-                                f"name the two arms differently")
-            first.setdefault(a, (m, overrides or {}))
-    for knob in ("runs_per_process", "arms_per_process"):
-        if int(study.get(knob, 1)) > 1:
-            problems += [f"study.{knob}: {study[knob]}, but {m!r} launches with "
-                         f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
-                         for m in study["models"] if study_resources(config, m)["launch"] != "single"]
+    spec = KINDS[kind]
+    problems = spec.before(config) if spec.before else []
     if problems:
         return problems, []
     try:
-        cells = expand(study_grid(config))
-        inits = {c.labels["model"]: c.init for c in cells}  # a model's cells share one warm start, or none
-        for init in inits.values():
-            if init is not None:
+        cells = [c for grid in kind_grids(config, kind) for c in expand(grid)]
+        if spec.check_inits:  # a fixed warm-start folder's run config, before its cells'
+            for init in {c.init.dir: c.init for c in cells if c.init}.values():
                 TrainConfig.from_dict(dict(init.config))
-    except (OSError, TrainConfigError, ValueError) as err:
-        return [f"study: {err}"], []
-    invalid = _invalid_runs(cells, lambda c: f"study.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})")
-    problems += invalid
-    if not invalid:
-        problems += study_memory_problems(config, cells)
-    # the probe measures the engine training samples from: eager and compiled vLLM round differently
-    probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
-    for model in study["models"]:
-        modes = {not bool(c.config.get("vllm_enforce_eager", False)) for c in cells if c.labels["model"] == model}
-        if modes and modes != {probe_compiled}:
-            train_mode = {frozenset({True}): "compiled", frozenset({False}): "eager"}.get(frozenset(modes),
-                                                                                        "both eager and compiled")
-            problems.append(f"probe.compiled: {str(probe_compiled).lower()}, but the study's runs of {model!r} "
-                            f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
-                            f"engine mode training uses")
-    shared_init = any(init is not None for init in inits.values())
-    for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
-        shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
-        if shared and shared_init:
-            problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
-                            f"model fixes for every arm; set it in the base or study.sizes")
-    return problems, cells
-
-
-def _entries_problems(config: dict[str, Any], section: str, grids: list[Grid]) -> tuple[list[str], list[Cell]]:
-    """What is wrong with the grids of a section of several (``search``, ``grids``): cells that name
-    no model, invalid run configs, two cells in one directory."""
-    where = "search cell" if section == "search" else "grids cell"
-    try:
-        cells = [c for grid in grids for c in expand(grid)]
-    except (OSError, ValueError, KeyError) as err:
-        return [f"{section}: {err}"], []
-    problems = [f"{where} {c.name}: model {c.model!r} is not a name in models" for c in cells
+    except (OSError, KeyError, ValueError, TrainConfigError) as err:  # YamlError, RegionError: ValueErrors
+        return [f"{kind}: {err}"], []
+    problems = [f"{spec.where(c)}: model {c.model!r} is not a name in models" for c in cells
                 if c.model not in config["models"]]
     if problems:
         return sorted(set(problems)), []
-    problems += _invalid_runs(cells, lambda c: f"{where} {c.name}")
+    invalid = _invalid_runs(cells, spec.where)
+    problems += invalid
     names = [c.name for c in cells]
     if len(set(names)) != len(names):
-        problems.append(f"{section}: two cells share a directory (repeated labels)")
-    return problems, cells
-
-
-def _grids_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
-    try:
-        grids = named_grids(config)
-    except (OSError, YamlError, ValueError) as err:
-        return [f"grids: {err}"], []
-    return _entries_problems(config, "grids", grids)
-
-
-def _search_problems(config: dict[str, Any]) -> tuple[list[str], list[Cell]]:
-    search = config["search"]
-    problems = [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
-                for s in (search.get("stages") or {}) if s not in SEARCH_STAGES]
-    if problems:
-        return problems, []
-    try:
-        grids = search_grids(config)
-    except (OSError, YamlError, ValueError) as err:
-        return [f"search: {err}"], []
-    problems, cells = _entries_problems(config, "search", grids)
-    if not cells:
-        return problems, cells
-    points = search_points(config, cells=cells)
-    rule = search.get("decision") or {}
-    arms = {label for p in points if p["stage"] == "grid" for label in [p["labels"].get(rule.get("arm_axis", ""))]}
-    for key in ("reference_arm", "control_arm"):
-        if "grid" in (search.get("stages") or {}) and rule.get(key) not in arms:
-            problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
-                            f"{rule.get('arm_axis')!r} axis")
-    for name, q in (rule.get("questions") or {}).items() if "grid" in (search.get("stages") or {}) else ():
-        problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
-                     f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
-    for name, e in (rule.get("effects") or {}).items():
-        weights = e.get("contrast") or {}
-        problems += [f"search.decision.effects.{name}: {arm!r} is not a label of the grid's "
-                     f"{rule.get('arm_axis')!r} axis" for arm in weights if arm not in arms]
-        if abs(sum(weights.values())) > 1e-9:
-            problems.append(f"search.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
-                            "not 0 (an effect compares arms)")
-    for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
-        named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
-        if len(set(named)) < len(named):
-            problems.append(f"search.post_hoc.comparisons.{name}: an arm named twice (a: {c['a']!r}, b: {c['b']!r}); "
-                            "a comparison takes each arm once")
-        problems += [f"search.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
-                     f"{rule.get('arm_axis')!r} axis" for arm in named if arm not in arms]
+        problems.append(f"{kind}: two cells share a directory (repeated labels)")
+    inits: dict[str, Any] = {}
+    for c in cells:  # a warm-start folder is one checkpoint: the cells that share it must agree on what it reads
+        read = None if c.init is None else {k: c.init.config.get(k) for k in WARM_START_INPUTS}
+        if c.init is not None and inits.setdefault(c.init.dir, read) != read:
+            problems.append(f"{spec.where(c)}: its shared warm start {c.init.dir} has other settings than another "
+                            f"cell's there (put {{seed}} or {{digest}} in shared_warm_start.directory)")
+            break
+    if spec.after and cells:
+        problems += spec.after(config, cells, not invalid)
     return problems, cells

@@ -2,7 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
+
+
+RUN_DEFAULTS = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}
+"""A run's resources where its entry sets none: on the CPU, in one process."""
+
+
+def run_resources(config: dict[str, Any], kind: str, entry: dict[str, Any], labels: Mapping[str, str],
+                  model: str | None = None) -> dict[str, Any]:
+    """Scheduler resources of one run of an experiment (``kind``, its ``entry`` as written, the run's
+    ``labels``): ``gpu``, ``mem_mb``, ``runtime`` (minutes), ``cpus_per_task`` and ``launch`` (``single``: one
+    process; else the accelerate config a multi-GPU run launches with). One ``resources`` mapping
+    (experiments/schema/config.schema.yaml, ``x-run-resources``): the entry's, else the study's by
+    ``model`` size; its ``label_mem_mb`` (the largest of the run's labels) before its ``mem_mb``, before the
+    config's ``job_mem_mb``; ``runtime`` 120 where none is given."""
+    if kind == "study":
+        return study_resources(config, model)
+    res = entry.get("resources") or {}
+    by_label = res.get("label_mem_mb") or {}
+    labelled = [by_label[v] for v in labels.values() if v in by_label]
+    return {**RUN_DEFAULTS, **{k: res[k] for k in ("gpu", "cpus_per_task") if k in res},
+            "mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
+            "runtime": res.get("runtime", 120)}
+
+
+def group_resources(config: dict[str, Any], kind: str, entry: dict[str, Any], cells) -> dict[str, Any]:
+    """The resources of one process of ``cells`` (a process group): its first run's, the runtime the sum
+    of its runs'."""
+    first = cells[0]
+    res = run_resources(config, kind, entry, first.labels, first.labels.get("model"))
+    return {**res, "runtime": res["runtime"] * len(cells)}
 
 
 def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[str, Any]:

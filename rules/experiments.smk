@@ -1,8 +1,11 @@
-# Every grid's runs (rpa.workflow.grid; the cells come from the Snakefile's check_config as
-# CELLS, their process groups as GRID_GROUPS: rules/common.smk): one rule writes any cell's run
-# config (`<grid>/<cell>/run.yaml`), one runs any shared warm start, one runs any process group
-# (`<grid>/<group>.json`, its record: rpa.workflow.runs). The targets, manifests and tables of each
-# grid are in its stage file.
+# Every experiment (rpa.workflow.experiments.KINDS: the GRPO grid `train`, the positive control `dose`, the
+# study `study`, each stage of the collapse search `search`, each entry of `grids:`), each a set of grid
+# entries in one shape, by the same rules: one writes any cell's run config (`<kind>/<cell>/run.yaml`), one
+# runs any shared warm start, one runs any process group (`<kind>/<group>.json`, its record:
+# rpa.workflow.runs), one writes any entry's manifest (`<kind>/[<entry>/]manifest.json`, docs/pipeline.md
+# #manifests); per kind one aggregate rule (its analysis: tables and figures, each a report() output) and its
+# target (train_all, dose_response, study, collapse_<stage>, grids). The cells come from the Snakefile's
+# check_config as CELLS, their process groups as GRID_GROUPS (rules/common.smk).
 
 # every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`,
 # `grids/...`
@@ -12,10 +15,103 @@ GRID_WARM_STARTS = {}
 for _cell in GRID_CELLS.values():
     if _cell.init is not None:
         GRID_WARM_STARTS.setdefault(_cell.init.dir.removeprefix(f"{R}/"), []).append(_cell)
+# every entry's folder under the results (`train`, `search/pilot`, `grids/<name>`, ...) -> (kind, entry name)
+GRID_ENTRIES = {"/".join([kind, *([name] if name else [])]): (kind, name)
+                for kind in GRID_SECTIONS for name in entries(config, kind)}
 
 
 def _one_of(names):
     return "|".join(map(re.escape, names)) or "(?!)"
+
+
+def kind_outputs(kind, entry=None):
+    """The tables and figures of an entry of ``kind`` (its aggregate rule's outputs) by name."""
+    return {name: f"{R}/{path}".replace("{format}", FIGURES["format"]).replace("{entry}", entry or "")
+            for name, path in KINDS[kind].outputs.items()}
+
+
+def study_outputs(wildcards=None):
+    return list(kind_outputs("study").values()) if CELLS["study"] else []
+
+
+# ---------------------------------------------------------------- manifests, tables, figures, targets
+
+# one-line jobs that write a file from the config: run by Snakemake itself, never submitted
+localrules:
+    manifest,
+
+
+def manifest_text(entry):
+    from rpa.workflow.manifest import dumps
+
+    kind, name = GRID_ENTRIES[entry]
+    return dumps(manifest(config, kind, name, CELLS[kind]))
+
+
+rule manifest:
+    output:
+        f"{R}/{{entry,{_one_of(GRID_ENTRIES)}}}/manifest.json",
+    params:
+        text=lambda wc: manifest_text(wc.entry),
+    shell:
+        WRITE_TEXT
+
+
+for _kind in KINDS.values():
+    _multi = _kind.name in MULTI_GRID_SECTIONS
+    _names = [name for name in entries(config, _kind.name)] if _multi else []
+    _outputs = {name: f"{R}/{path}".replace("{format}", FIGURES["format"])
+                for name, path in _kind.outputs.items()}
+    if _multi:  # the entry's name a wildcard, constrained to the config's entries
+        _first = next(iter(_outputs))
+        _outputs[_first] = _outputs[_first].replace("{entry}", f"{{entry,{_one_of(_names)}}}", 1)
+    _outputs = {name: report(path, caption=f"report/{_kind.name}.rst", category=_kind.category,
+                             **({"subcategory": "{entry}"} if _multi else {}))
+                if name in _kind.report else path for name, path in _outputs.items()}
+
+    rule:
+        name:
+            f"{_kind.name}_aggregate"
+        input:
+            runs=lambda wc, kind=_kind.name: grid_records(kind, getattr(wc, "entry", None)),
+            # (none where the config has no such section: the committed cpu reference's GRPO and dose tables are
+            # made under experiments/toys.yaml, from its committed runs)
+            manifest=f"{R}/{_kind.name}/{{entry}}/manifest.json" if _multi else
+            [f"{R}/{_kind.name}/manifest.json"] if CELLS[_kind.name] else [],
+            more=[f"{R}/{path}" for path in _kind.inputs],
+        output:
+            **_outputs,
+        params:
+            results=R,
+            format=FIGURES["format"],
+        log:
+            f"{R}/logs/{_kind.log}",
+        conda:
+            ENV
+        shell:
+            _kind.analysis
+
+    # the kind's targets: all its tables and figures (a search stage's each: collapse_<stage>)
+    if "{entry}" in _kind.target:
+        for _name in _kind.target_entries:
+
+            rule:
+                name:
+                    _kind.target.format(entry=_name)
+                input:
+                    list(kind_outputs(_kind.name, _name).values()) if _name in _names else [],
+
+    else:
+
+        rule:
+            name:
+                _kind.target
+            input:
+                [f for name in (_names if _multi else ([None] if CELLS[_kind.name] else []))
+                 for f in kind_outputs(_kind.name, name).values()],
+
+
+# ---------------------------------------------------------------- the runs
 
 
 def grid_priority(cells):
@@ -66,43 +162,11 @@ rule grid_warm_start:
 
 # ---------------------------------------------------------------- the runs, one process per group
 
-# where a grid's finished runs keep their start as `ancient` input: the warm starts of the search and of
-# the `grids` entries are named by what they read (<section>/init/<...>-<digest>), so a rebuilt one is
-# the same checkpoint and committed runs restored into place (analysis.restore_reference) are not made
-# stale by it; the other grids' fixed init directories (dose/init, study/<model>/init) can be rebuilt
-# from changed settings, which must rerun their runs
-ANCIENT_START = {"search", "grids"}
-
-
-def entry_resources(section, cell):
-    """A run's memory and minutes in a section of several grids (a search stage, a `grids` entry): its
-    entry's ``resources`` (the largest ``label_mem_mb`` of its labels, else ``mem_mb``, else the
-    config's ``job_mem_mb``; a `grids` entry's ``gpu`` and ``cpus_per_task`` too)."""
-    res = grid_entries(config, section)[grid_stage(cell)].get("resources") or {}
-    by_label = res.get("label_mem_mb", {})
-    labelled = [by_label[v] for v in cell.labels.values() if v in by_label]
-    return {**{k: res[k] for k in ("gpu", "cpus_per_task") if k in res},
-            "mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
-            "runtime": res.get("runtime", 120)}
-
-
-def run_resources(section, cell):
-    """Scheduler resources of one run of ``cell`` (of grid ``section``): ``gpu``, ``mem_mb``,
-    ``runtime`` (minutes), ``cpus_per_task`` and ``launch`` (``single``: one process; else the
-    accelerate config a multi-GPU run launches with)."""
-    base = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}  # a run on the CPU, in one process
-    if section == "study":
-        return study_resources(config, cell.labels["model"])
-    if section in MULTI_GRID_SECTIONS:
-        return {**base, **entry_resources(section, cell)}
-    return {**base, **config[section]["resources"]}  # train, dose: the schema's defaults filled in
-
-
 def group_resources(record):
-    """A group's resources: its first run's, the runtime the sum of its runs'."""
+    """A group's resources (rpa.workflow.resources.group_resources): its first run's, the runtime the sum
+    of its runs'."""
     section, group = GRID_GROUPS[record]
-    res = run_resources(section, group.cells[0])
-    return {**res, "runtime": res["runtime"] * len(group.cells)}
+    return resources_of_group(config, section, entry_of(config, section, group.cells[0]), group.cells)
 
 
 def group_dirs(record):
@@ -115,7 +179,9 @@ def group_start(wildcards):
     section, group = GRID_GROUPS[wildcards.record]
     files = sorted({f"{c.init.dir}/config.json" for c in group.cells if c.init}
                    | {f for c in group.cells if not c.init for f in model_files(c.model)})
-    return [ancient(f) for f in files] if section in ANCIENT_START else files
+    # a digest-named warm start (or a model) is the same checkpoint when rebuilt: ancient, so that committed
+    # runs restored into place are not made stale by it (rpa.workflow.experiments.ancient_start)
+    return [ancient(f) for f in files] if ancient_start(config, section, group.cells[0]) else files
 
 
 def group_command(wildcards, input):
@@ -133,9 +199,7 @@ def group_command(wildcards, input):
 
 def group_retries(record):
     section, group = GRID_GROUPS[record]
-    if section in MULTI_GRID_SECTIONS:
-        return grid_entries(config, section)[grid_stage(group.cells[0])]["transient_retries"]
-    return config[section]["transient_retries"]
+    return entry_of(config, section, group.cells[0])["transient_retries"]
 
 
 def group_priority(record):

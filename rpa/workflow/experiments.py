@@ -1,0 +1,522 @@
+"""Every experiment of a pipeline config as grid entries of one shape, and what each kind adds to it.
+
+An experiment is a grid entry (:func:`grid_of`: base, overrides, axes, seeds, exclude, path, replace,
+shared_warm_start; docs/pipeline.md#grids). A config section holds entries of one *kind*; :data:`KINDS`
+maps each kind to what it adds to the one grid machinery: its entry builder (the ``train:``, ``dose:`` and
+``study:`` sections and the search stages are presets that write entries: :func:`train_spec`,
+:func:`dose_spec`, :func:`study_spec`, :func:`search_entries`), its extra config checks (hooks of
+:func:`rpa.workflow.pipeline.check_config`), its manifest's extra keys (:func:`manifest`) and its analysis
+(the module its tables and figures come from, run by rules/experiments.smk). Cells are
+``<kind>/[<entry>/]<labels>/seed<N>`` under the results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rpa.core.numerics_config import perturbation_label
+from rpa.core.regions import parse_regions, region_label
+from rpa.core.yamlfiles import load_yaml
+from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, Group, SharedWarmStart, expand, group_cells
+from rpa.workflow.jobs import model_location
+from rpa.workflow.resources import BYTES_PER_PARAMETER, study_resources
+
+
+MULTI_GRID_SECTIONS = ("search", "grids")
+"""The kinds whose section holds several entries, each named (a search stage, a ``grids:`` entry): their
+cells and outputs carry the entry's name; the other kinds' section is one entry."""
+
+
+def _located_models(config: dict[str, Any]) -> dict[str, str]:
+    """Every name of ``models`` -> where it loads from (a grid's ``model: NAME``)."""
+    return {name: model_location(config, name) for name in config.get("models") or {}}
+
+
+def _base(path: str, bases: dict[str, Any]) -> dict[str, Any]:
+    """The run YAML ``path``, read once: ``bases`` keeps what was read, by path."""
+    if path not in bases:
+        bases[path] = load_yaml(path)
+    return bases[path]
+
+
+def grid_of(config: dict[str, Any], section: str, spec: dict[str, Any], stage: str | None = None,
+            bases: dict[str, Any] | None = None) -> Grid:
+    """One grid entry as a :class:`~rpa.workflow.grid.Grid`: the one shape every experiment has --
+    an entry of ``grids:`` or a stage of ``search.stages`` as written, and what :func:`train_spec`,
+    :func:`dose_spec` and :func:`study_spec` make of their sections. Its keys (docs/pipeline.md#grids):
+
+    * ``base`` (a run YAML), ``overrides`` (run-config overrides of every cell), ``seeds``;
+    * ``axes``: axis -> {label: run-config overrides}, every combination a cell, merged in the order written;
+    * ``exclude``: [{axis: [labels]}], the label combinations left out; ``path``: a cell's directory as a
+      template over its labels (default: the labels joined by ``/``); ``replace``: keys an axis value sets
+      whole;
+    * ``shared_warm_start``: false; true (one ``rpa warm-start`` per model, warm-start settings and seed,
+      ``<section>/init/<model>-ws<steps>-seed<N>-<digest>``); or {``level``, ``directory`` (under the
+      results), ``only_with_steps``} (:class:`~rpa.workflow.grid.SharedWarmStart`).
+
+    Every key is open to a ``grids:`` entry; a fixed warm-start folder (the mapping form, as the positive
+    control and the study use) makes its runs rerun when the warm start is rebuilt, where a digest-named
+    one is the same checkpoint (:func:`ancient_start`). Cells are ``<section>/[<stage>/]<labels>/seed<N>``
+    under the results; ``bases``: run YAMLs already
+    read, by path (each read once)."""
+    base = _base(spec["base"], {} if bases is None else bases)
+    shared = spec.get("shared_warm_start") or False
+    if shared is True:
+        shared = {"level": CELL, "directory": f"{section}/init/{{model_name}}-ws{{steps}}-seed{{seed}}-{{digest}}"}
+    warm_start = None if not shared else SharedWarmStart(
+        level=shared.get("level", CELL), directory=f"{config['results']}/{shared['directory']}",
+        only_with_steps=shared.get("only_with_steps", True))
+    return Grid(name=section if stage is None else f"{section}/{stage}", base=base,
+                overrides=spec.get("overrides") or {},
+                axes=tuple(Axis(axis, values) for axis, values in (spec.get("axes") or {}).items()),
+                seeds=tuple(spec["seeds"]),
+                exclude=tuple({axis: tuple(labels) for axis, labels in rule.items()} for rule in spec.get("exclude") or ()),
+                models=_located_models(config), prefix=() if stage is None else (stage,), path=spec.get("path"),
+                warm_start=warm_start, replaced=tuple(spec.get("replace") or ()))
+
+
+def grid_stage(cell: Cell) -> str | None:
+    """The entry of a section of several grids (``search``, ``grids``) a cell belongs to: its grid
+    is ``<section>/<entry>``; None for a section of one grid."""
+    return cell.grid.partition("/")[2] or None
+
+
+def entries(config: dict[str, Any], kind: str, bases: dict[str, Any] | None = None) -> dict[str | None, dict[str, Any]]:
+    """The grid entries of a config's ``kind`` section, by name (None: the section's one entry), in the one
+    shape :func:`grid_of` reads; empty where the config has no such section."""
+    if not config.get(kind):
+        return {}
+    return KINDS[kind].entries(config, {} if bases is None else bases)
+
+
+def kind_grids(config: dict[str, Any], kind: str) -> list[Grid]:
+    """Each entry of ``kind`` as a :class:`~rpa.workflow.grid.Grid` (each base read once)."""
+    bases: dict[str, Any] = {}
+    return [grid_of(config, kind, spec, name, bases) for name, spec in entries(config, kind, bases).items()]
+
+
+def entry_of(config: dict[str, Any], kind: str, cell: Cell) -> dict[str, Any]:
+    """The entry ``cell`` of ``kind`` belongs to, as written (a search stage: without the search's base)."""
+    if kind in MULTI_GRID_SECTIONS:
+        return (config["search"]["stages"] if kind == "search" else config["grids"])[grid_stage(cell)]
+    return config[kind]
+
+
+def grid_groups(config: dict[str, Any], kind: str, cells: list[Cell]) -> list[Group]:
+    """The cells of a kind by process (:func:`rpa.workflow.grid.group_cells`), by the
+    ``runs_per_process`` and ``arms_per_process`` of their entry (each search stage, each entry of
+    ``grids``; the section's own for train, dose, study)."""
+    by_entry: dict[str | None, list[Cell]] = {}
+    for c in cells:
+        by_entry.setdefault(grid_stage(c), []).append(c)
+    return [g for entry_cells in by_entry.values()
+            for knobs in [entry_of(config, kind, entry_cells[0])]
+            for g in group_cells(entry_cells, int(knobs.get("runs_per_process", 1)),
+                                 int(knobs.get("arms_per_process", 1)))]
+
+
+def ancient_start(config: dict[str, Any], kind: str, cell: Cell) -> bool:
+    """Whether a finished run of ``cell`` keeps its start as ``ancient`` input (rules/experiments.smk): a
+    search stage's or ``grids:`` entry's model or digest-named warm start (``<kind>/init/<...>-<digest>``)
+    is the same checkpoint when rebuilt, so committed runs restored into place
+    (analysis.restore_reference) are not made stale by it; a fixed warm-start folder (``dose/init``,
+    ``study/<model>/init``, a ``grids:`` entry's mapping form without ``{digest}``) can be rebuilt from
+    changed settings, which must rerun its runs; the GRPO grid's start is its model."""
+    if kind not in MULTI_GRID_SECTIONS:
+        return False
+    shared = entry_of(config, kind, cell).get("shared_warm_start")
+    return not isinstance(shared, dict) or "{digest}" in shared.get("directory", "")
+
+
+
+
+def train_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section as a grid entry (:func:`grid_of`): settings x region sets x seeds,
+    ``<model>/<setting>/<regions>/seed<N>``."""
+    train = config["train"]
+    return {"base": train["base"], "overrides": {"model": train["model"]}, "seeds": train["seeds"],
+            "axes": {"setting": train["settings"],
+                     "regions": {region_label(parse_regions(r)): {"numerics": {"regions": r}} for r in train["regions"]}},
+            "path": f"{train['model']}/{{setting}}/{{regions}}"}
+
+
+
+
+
+
+def dose_label(dose) -> str:
+    """Directory / table name of a dose: ``bf16-none`` (no dose) or ``perturb-mantissa<K>``."""
+    return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
+
+
+def dose_spec(config: dict[str, Any], bases: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``dose:`` section as a grid entry (:func:`grid_of`), the positive control: arms (the
+    sampler-only doses on the base's numerics, then the x-axis anchors, each a numerics configuration
+    in full) x IS correction x old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``,
+    every cell from one shared warm start (``dose/init``). Left out: an IS correction with the
+    sampler's old logprobs (the correction would be applied twice: TrainConfig refuses it), and the
+    anchors with a correction (an anchor runs uncorrected)."""
+    dose = config["dose"]
+    base = _base(dose["base"], {} if bases is None else bases)
+    doses = {dose_label(d): {"numerics": {
+        **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
+        **({} if d in (None, "none") else {"sampler_perturbation": {"mantissa_bits": int(d)}})}}
+        for d in dose["doses"]}
+    anchors = {name: {"numerics": numerics} for name, numerics in (dose.get("anchors") or {}).items()}
+    corrections = list(dict.fromkeys([*dose["is_corrections"], "off"]))
+    applied = [c for c in corrections if c != "off"]
+    exclude = [{"is_correction": applied, "old_logprobs": ["sampler"]}, {"arm": list(anchors), "is_correction": applied}]
+    if "off" not in dose["is_corrections"]:  # listed for the anchors only
+        exclude.append({"arm": list(doses), "is_correction": ["off"]})
+    exclude = [rule for rule in exclude if all(rule.values()) and  # what the grid has: nothing to leave out else
+               ("sampler" in dose["old_logprobs"] or "old_logprobs" not in rule)]
+    return {"base": dose["base"], "overrides": {"model": dose["model"]}, "seeds": dose["seeds"],
+            "axes": {"arm": {**doses, **anchors},
+                     "is_correction": {c: {"is_correction": c} for c in corrections},
+                     "old_logprobs": {o: {"old_logprobs": o} for o in dose["old_logprobs"]}},
+            "exclude": exclude, "path": "{arm}/{is_correction}-{old_logprobs}", "replace": ["numerics"],
+            "shared_warm_start": {"level": BASE, "directory": "dose/init", "only_with_steps": False}}
+
+
+
+
+
+
+def study_arms(study: dict[str, Any], model: str) -> dict[str, Any]:
+    """The arms ``model`` runs: every arm of ``study.arms``, then its own ``study.size_arms``
+    (e.g. the sampler-perturbation positive control on the smallest size only)."""
+    return {**study["arms"], **((study.get("size_arms") or {}).get(model) or {})}
+
+
+def study_arm_names(study: dict[str, Any]) -> list[str]:
+    """Every arm of the study in table order: the common arms, then the per-size ones."""
+    names = list(study["arms"])
+    for arms in (study.get("size_arms") or {}).values():
+        names += [a for a in (arms or {}) if a not in names]
+    return names
+
+
+def study_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``study:`` section as a grid entry (:func:`grid_of`): models (the base with each size's
+    settings) x arms x seeds, ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only
+    on that model. Models with a shared warm start (``warm_start.steps`` > 0) start from
+    ``study/<model>/init``."""
+    study = config["study"]
+    sizes, own = study.get("sizes") or {}, study.get("size_arms") or {}
+    arms = {name: {} for name in study_arm_names(study)}
+    for model in study["models"]:
+        arms.update(study_arms(study, model))
+    owners = {arm: {m for m in study["models"] if arm in (own.get(m) or {})}
+              for arm in arms if arm not in study["arms"]}
+    return {"base": study["base"], "seeds": study["seeds"],
+            "axes": {"model": {m: {**(sizes.get(m) or {}), "model": m} for m in study["models"]},
+                     "arm": {arm: overrides or {} for arm, overrides in arms.items()}},
+            "exclude": [{"model": [m for m in study["models"] if m not in models], "arm": [arm]}
+                        for arm, models in owners.items()],
+            "shared_warm_start": {"level": "model", "directory": "study/{model}/init"}}
+
+
+
+
+
+
+SEARCH_STAGES = ("pilot", "grid", "ablation", "lever")
+"""Stages of ``search`` (each optional): the pilot picks a setting, the grid tests it under
+the decision rule written in the config, then the ablation (if it collapsed) or a further
+lever (if it did not)."""
+
+
+def search_entries(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each stage of the natural-collapse search (``search.stages``) as a grid entry: the search's ``base``
+    under the stage as written; cells ``search/<stage>/<label>/.../seed<N>``. With ``shared_warm_start``,
+    every arm of a seed that changes none of what a warm start reads starts from one ``rpa warm-start``
+    (``search/init/<model>-ws<steps>-seed<N>-<digest>``), as it would from its own identical warm start."""
+    search = config["search"]
+    return {name: {"base": search["base"], **stage} for name, stage in (search.get("stages") or {}).items()}
+
+
+# ---------------------------------------------------------------- each kind's config checks
+# Hooks of rpa.workflow.pipeline.check_config, which does what every kind needs: expand its entries, refuse
+# cells that name no model, invalid run configs and two cells in one directory. `before` sees the section as
+# written (problems there stop the kind's check); `after` sees its expanded, valid cells.
+
+
+def _train_before(config: dict[str, Any]) -> list[str]:
+    model = config["train"]["model"]
+    return [] if model in config.get("models", {}) else [f"train.model: {model!r} is not a name in models"]
+
+
+def _dose_before(config: dict[str, Any]) -> list[str]:
+    dose = config["dose"]
+    if dose["model"] not in config.get("models", {}):
+        return [f"dose.model: {dose['model']!r} is not a name in models"]
+    arms = [dose_label(d) for d in dose["doses"]] + list(dose.get("anchors") or {})
+    if len(set(arms)) != len(arms):
+        return ["dose: two cells share a directory (a dose repeated, or an anchor named like a dose)"]
+    return []
+
+
+def _study_before(config: dict[str, Any]) -> list[str]:
+    study = config["study"]
+    problems = [f"study.models: {m!r} is not a name in models" for m in study["models"]
+                if m not in config.get("models", {})]
+    problems += [f"study.sizes: {m!r} is not in study.models" for m in (study.get("sizes") or {})
+                 if m not in study["models"]]
+    problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
+                 if m not in study["models"]]
+    problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
+                 if m not in study["models"]]
+    reference = study.get("reference_arm", "none")
+    if reference not in study_arm_names(study):
+        import difflib
+
+        near = difflib.get_close_matches(str(reference), study_arm_names(study), n=1)
+        problems.append(f"study.reference_arm: {reference!r} is not an arm of study.arms"
+                        + (f" (did you mean {near[0]!r}?)" if near else ""))
+    problems += [f"study.parameters: {m!r} is not in study.models" for m in (study.get("parameters") or {})
+                 if m not in study["models"]]
+    problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
+                 (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
+    first: dict[str, tuple[str, Any]] = {}  # a per-size arm is one arm of the grid: the same overrides on each size
+    for m, arms in (study.get("size_arms") or {}).items():
+        for a, overrides in (arms or {}).items():
+            if a in first and (overrides or {}) != first[a][1]:
+                problems.append(f"study.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
+                                f"name the two arms differently")
+            first.setdefault(a, (m, overrides or {}))
+    for knob in ("runs_per_process", "arms_per_process"):
+        if int(study.get(knob, 1)) > 1:
+            problems += [f"study.{knob}: {study[knob]}, but {m!r} launches with "
+                         f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
+                         for m in study["models"] if study_resources(config, m)["launch"] != "single"]
+    return problems
+
+
+def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str]:
+    """One line per model and arm whose colocated vLLM cannot hold its weights in its share of one
+    GPU: ``study.parameters`` x the precision's bytes (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel
+    ranks, against ``vllm_gpu_memory_utilization`` x ``study.gpu_memory_gb`` (the share vLLM takes;
+    its KV cache needs room on top). Nothing is checked where either figure is missing."""
+    study = config["study"]
+    memory, sizes = study.get("gpu_memory_gb"), study.get("parameters") or {}
+    if not memory:
+        return []
+    problems, seen = [], set()
+    for c in cells:
+        model, arm = c.labels["model"], c.labels["arm"]
+        if (model, arm) in seen or model not in sizes:
+            continue
+        seen.add((model, arm))
+        cfg = c.run
+        if cfg.rollouts != "vllm":  # no engine: the trainer samples
+            continue
+        precision, count = cfg.numerics.precision, sizes[model]
+        weights = count * BYTES_PER_PARAMETER[precision] / cfg.vllm_tensor_parallel_size / 1e9
+        share = cfg.vllm_gpu_memory_utilization * memory
+        if weights >= share:
+            split = f" / {cfg.vllm_tensor_parallel_size} ranks" if cfg.vllm_tensor_parallel_size > 1 else ""
+            problems.append(
+                f"study.arms.{arm} ({model}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
+                f"parameters x {BYTES_PER_PARAMETER[precision]} bytes{split}), do not fit its share of one "
+                f"{memory:g} GB GPU (vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization:g}: "
+                f"{share:.1f} GB); raise the arm's vllm_gpu_memory_utilization or run it on smaller sizes only "
+                f"(study.size_arms)")
+    return problems
+
+
+def _study_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) -> list[str]:
+    study = config["study"]
+    problems = study_memory_problems(config, cells) if runs_valid else []
+    # the probe measures the engine training samples from: eager and compiled vLLM round differently
+    probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
+    for model in study["models"]:
+        modes = {not bool(c.config.get("vllm_enforce_eager", False)) for c in cells if c.labels["model"] == model}
+        if modes and modes != {probe_compiled}:
+            train_mode = {frozenset({True}): "compiled", frozenset({False}): "eager"}.get(frozenset(modes),
+                                                                                        "both eager and compiled")
+            problems.append(f"probe.compiled: {str(probe_compiled).lower()}, but the study's runs of {model!r} "
+                            f"sample with vLLM {train_mode} (vllm_enforce_eager); the probe must score with the "
+                            f"engine mode training uses")
+    shared_init = any(c.init is not None for c in cells)
+    for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
+        shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
+        if shared and shared_init:
+            problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
+                            f"model fixes for every arm; set it in the base or study.sizes")
+    return problems
+
+
+def _search_before(config: dict[str, Any]) -> list[str]:
+    return [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
+            for s in (config["search"].get("stages") or {}) if s not in SEARCH_STAGES]
+
+
+def _search_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) -> list[str]:
+    search = config["search"]
+    rule = search.get("decision") or {}
+    has_grid = "grid" in (search.get("stages") or {})
+    arms = {c.labels.get(rule.get("arm_axis", "")) for c in cells if grid_stage(c) == "grid"}
+    problems = []
+    for key in ("reference_arm", "control_arm"):
+        if has_grid and rule.get(key) not in arms:
+            problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
+                            f"{rule.get('arm_axis')!r} axis")
+    for name, q in (rule.get("questions") or {}).items() if has_grid else ():
+        problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
+                     f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
+    for name, e in (rule.get("effects") or {}).items():
+        weights = e.get("contrast") or {}
+        problems += [f"search.decision.effects.{name}: {arm!r} is not a label of the grid's "
+                     f"{rule.get('arm_axis')!r} axis" for arm in weights if arm not in arms]
+        if abs(sum(weights.values())) > 1e-9:
+            problems.append(f"search.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
+                            "not 0 (an effect compares arms)")
+    for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
+        named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
+        if len(set(named)) < len(named):
+            problems.append(f"search.post_hoc.comparisons.{name}: an arm named twice (a: {c['a']!r}, b: {c['b']!r}); "
+                            "a comparison takes each arm once")
+        problems += [f"search.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
+                     f"{rule.get('arm_axis')!r} axis" for arm in named if arm not in arms]
+    return problems
+
+
+# ---------------------------------------------------------------- each kind's manifest
+
+
+def manifest(config: dict[str, Any], kind: str, entry: str | None, cells: list[Cell]) -> dict[str, Any]:
+    """The manifest of one entry (``<kind>/[<entry>/]manifest.json``, docs/pipeline.md#manifests): its
+    cells and axes (labels in order) and the kind's own keys (:attr:`Kind.manifest`), in the one schema
+    :func:`rpa.workflow.manifest.manifest` writes."""
+    from rpa.workflow.manifest import manifest as render
+
+    cells = [c for c in cells if grid_stage(c) == entry]
+    bases: dict[str, Any] = {}
+    spec = entries(config, kind, bases)[entry]
+    axes = {axis: list(labels) for axis, labels in spec["axes"].items()}
+    return render(kind, cells, KINDS[kind].manifest(config, entry, axes))
+
+
+def _plain_manifest(config, entry, axes):
+    return {"axes": axes}
+
+
+def _dose_manifest(config, entry, axes):
+    bits = {dose_label(d): None if d in (None, "none") else int(d) for d in config["dose"]["doses"]}
+    return {"axes": axes, "doses": {arm: bits.get(arm) for arm in axes["arm"]}}
+
+
+def _study_manifest(config, entry, axes):
+    # the study's keys as they were before the one schema (committed manifests keep their bytes): no axes
+    study = config["study"]
+    return {"models": study["models"], "arms": study_arm_names(study), "seeds": study["seeds"],
+            "reference_arm": study["reference_arm"], "label": study["label"],
+            "probe_configs": list(config["probe"]["configs"])}
+
+
+def _search_manifest(config, stage, axes):
+    search = config["search"]
+    return {"stage": stage, "label": search.get("label", "natural-collapse search"), "axes": axes,
+            "pilot_rule": search.get("pilot_rule", {}), "decision": search.get("decision", {}),
+            **({"post_hoc": search["post_hoc"]} if search.get("post_hoc") and stage == "grid" else {})}
+
+
+def _grids_manifest(config, name, axes):
+    return {"grid": name, "axes": axes}
+
+
+# ---------------------------------------------------------------- the kinds
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one kind of experiment adds to the one grid machinery (rules/experiments.smk reads it: one
+    manifest rule for every kind, one aggregate rule and one target per kind)."""
+
+    name: str
+    """Its config section, and its folder under the results."""
+    entries: Callable[[dict[str, Any], dict[str, Any]], dict[str | None, dict[str, Any]]]
+    """The section's grid entries (config, bases read) -> {entry name or None: entry}."""
+    where: Callable[[Cell], str]
+    """How a config problem names a cell."""
+    manifest: Callable[..., dict[str, Any]]
+    """(config, entry, axes) -> the kind's own keys of its manifest (:func:`manifest`)."""
+    analysis: str
+    """The command (Snakemake's shell format; ``{params.results}``, ``{params.format}``, ``{output.<name>}``,
+    ``{wildcards.entry}``, ``{log}``) of the analysis that writes its tables and figures."""
+    outputs: dict[str, str]
+    """The aggregate's outputs by name, under the results (``{entry}``: a named entry's, ``{format}``: the
+    figures' format)."""
+    report: tuple[str, ...]
+    """The outputs ``snakemake --report`` shows (every table and figure; caption rules/report/<kind>.rst)."""
+    category: str
+    """The report's heading for them."""
+    target: str
+    """The target rule of its outputs (``{entry}``: one per name of ``target_entries``)."""
+    log: str
+    """The aggregate's log under the results' ``logs/``."""
+    inputs: tuple[str, ...] = ()
+    """Further inputs of the aggregate under the results (beyond its runs' records and its manifest)."""
+    target_entries: tuple[str, ...] = ()
+    before: Callable[[dict[str, Any]], list[str]] | None = None
+    after: Callable[[dict[str, Any], list[Cell], bool], list[str]] | None = None
+    check_inits: bool = False
+    """Validate each shared warm start's run config before the cells' (a fixed warm-start folder's)."""
+
+
+_STUDY_TABLES = {f"{name}_{ext}": f"tables/study_{name}.{ext}"
+                 for name in ("collapse", "mismatch", "sensitivity") for ext in ("csv", "md", "tex")}
+_STUDY_FIGURES = {f"{name}_fig": f"figures/study_{name}.{{format}}"
+                  for name in ("rewards", "mismatch_curves", "heatmap")}
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("train", lambda config, bases: {None: train_spec(config)},
+         lambda c: f"train.settings.{c.labels['setting']} (regions {c.labels['regions']}, seed {c.seed})",
+         _plain_manifest,
+         "python -m analysis.train_summary --results {params.results} --out-table {output.csv} --out-md {output.md} "
+         "--out-figure {output.fig} > {log} 2>&1",
+         {"csv": "tables/train.csv", "md": "tables/train.md", "fig": "figures/train_curves.{format}"},
+         ("csv", "fig"), "GRPO grid", "train_all", "train_aggregate.log", before=_train_before),
+    Kind("dose", lambda config, bases: {None: dose_spec(config, bases)}, lambda c: f"dose cell {c.name}",
+         _dose_manifest,
+         "python -m analysis.dose --results {params.results} --out-dir {params.results}/tables --figure {output.fig} "
+         "> {log} 2>&1",
+         {"csv": "tables/dose.csv", "md": "tables/dose.md", "runs": "tables/dose_runs.csv",
+          "sensitivity": "tables/dose_sensitivity.csv", "fig": "figures/dose_response.{format}"},
+         ("csv", "runs", "sensitivity", "fig"), "Positive control", "dose_response", "dose_aggregate.log",
+         before=_dose_before, check_inits=True),
+    Kind("study", lambda config, bases: {None: study_spec(config)},
+         lambda c: f"study.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})",
+         _study_manifest, "python -m analysis.study --results {params.results} --format {params.format} > {log} 2>&1",
+         {**_STUDY_TABLES, **_STUDY_FIGURES}, (*(k for k in _STUDY_TABLES if k.endswith("_csv")), *_STUDY_FIGURES),
+         "Study", "study", "study_aggregate.log", inputs=("tables/probe.csv",),
+         before=_study_before, after=_study_after, check_inits=True),
+    Kind("search", lambda config, bases: search_entries(config), lambda c: f"search cell {c.name}",
+         _search_manifest,
+         "python -m analysis.collapse_search --results {params.results} --stage {wildcards.entry} "
+         "--figure {output.fig} > {log} 2>&1",
+         {"csv": "tables/search_{entry}.csv", "md": "tables/search_{entry}.md", "json": "tables/search_{entry}.json",
+          "fig": "figures/search_{entry}.{format}"},
+         ("csv", "fig"), "Collapse search", "collapse_{entry}", "search_{entry}.log", target_entries=SEARCH_STAGES,
+         before=_search_before, after=_search_after),
+    Kind("grids", lambda config, bases: dict(config.get("grids") or {}), lambda c: f"grids cell {c.name}",
+         _grids_manifest,
+         "python -m analysis.grid_summary --results {params.results} --grid {wildcards.entry} --out-csv {output.csv} "
+         "--out-md {output.md} > {log} 2>&1",
+         {"csv": "tables/grids/{entry}.csv", "md": "tables/grids/{entry}.md"}, ("csv",), "Grids", "grids",
+         "grids_{entry}.log"),
+)}
+"""Every kind of experiment by its config section, in the order the workflow lists them. A new kind is one
+entry here (its preset, checks, manifest extras, analysis and outputs) and a caption rules/report/<kind>.rst."""
+
+GRID_SECTIONS = tuple(KINDS)
+"""The config sections that are grids of training runs: one per kind."""
+
+
+def kind_cells(config: dict[str, Any], kind: str, entry: str | None = None) -> list[Cell]:
+    """Every cell of a config's ``kind`` section (of its entry ``entry`` only, if given), expanded but not
+    checked (:func:`rpa.workflow.pipeline.check_config` gives the checked ones)."""
+    return [c for grid in kind_grids(config, kind) for c in expand(grid) if entry is None or grid_stage(c) == entry]
