@@ -7,18 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
 import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from analysis.collapse_stats import clopper_pearson  # noqa: E402
-from analysis.dose_stats import _logistic_fit, counted, dose_arms, window_text  # noqa: E402
-from analysis.paired import t975  # noqa: E402
-from rpa.core.jsonfiles import atomic_path  # noqa: E402
+from analysis.collapse_stats import clopper_pearson
+from analysis.dose_stats import _logistic_fit, counted, dose_arms, window_text
+from analysis.paired import t975
+from analysis.plots import plt, save_figure
 
 
 CURVE_COLORS = {"off": "tab:blue", "token_truncate": "tab:orange", "sequence_mask": "tab:green"}
@@ -146,6 +141,4 @@ def figure(per_group: pd.DataFrame, anchors: pd.DataFrame, path: Path, runs: pd.
                title=f"anchors, IS off (upper half: old=sampler;\nlower half: old=trainer{note})",
                title_fontsize=10.5, handlelength=2.0, columnspacing=1.0)
     fig.tight_layout(rect=(0, 0.23, 1, 1), w_pad=1.0)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=200)
-    plt.close(fig)
+    save_figure(fig, path, dpi=200)

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
 import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from analysis.runs import flags  # noqa: E402
-from rpa.core.jsonfiles import atomic_path  # noqa: E402
+from analysis.plots import plt, save_figure
+from analysis.runs import flags
 
 
 # tab10's ten, then colours unlike any of them (tab20 paired the arms as light and dark shades
@@ -104,9 +99,7 @@ def _legend(fig, styles: dict[str, dict], shown: set[str], markers: bool = False
 def _save(fig, path: Path) -> None:
     """Write ``fig`` cropped to what it draws (a legend below the panels included) and free it."""
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
 
 
 ARM_FAMILIES = (("stock BF16 and controls", ("none", "positions-stock", "fp32")),
