@@ -101,11 +101,9 @@ def figure(df: pd.DataFrame, ops: pd.DataFrame, path: Path) -> None:
     """Left: per op, the share of output elements that differ when the trainer's op gets vLLM's own
     inputs (log scale; bitwise equal drawn at the floor), one bar per configuration. Right: the
     rungs' mean |dlogp| with their paired intervals."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from analysis.plots import plt, save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.4, 1]})
     floor = 1e-7
@@ -138,9 +136,7 @@ def figure(df: pd.DataFrame, ops: pd.DataFrame, path: Path) -> None:
     right.set_xlabel("mean |dlogp| vs vLLM (95% paired interval)")
     right.set_title("trainer rescored with vLLM's own GEMM / LM-head kernels", fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
 
 
 def main(argv: list[str] | None = None) -> int:

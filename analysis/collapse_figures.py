@@ -6,15 +6,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from analysis.collapse_stats import MISMATCH, _outcome  # noqa: E402
-from rpa.core.jsonfiles import atomic_path  # noqa: E402
+from analysis.collapse_stats import MISMATCH, _outcome
+from analysis.plots import plt, save_figure
 
 
 def _figure_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
@@ -28,9 +23,7 @@ def _figure_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
     ax.set(xlabel="step-1 entropy (nats/token)", ylabel="step-1 mean |dlogp|", yscale="log",
            title=f"{label}: pilot (red: eligible, star: chosen)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def _cells(curves: pd.DataFrame, manifest: dict) -> list[str]:
@@ -52,9 +45,7 @@ def _figure_paired_pilot(table: pd.DataFrame, path: Path, label: str) -> None:
     ax.set(xlabel="control (FP32) reward gain: last - first steps", ylabel="stock BF16 step-1 mean |dlogp|")
     ax.set_title(f"{label}: pilot\n(red: eligible, star: chosen)", fontsize=9)  # two lines: a long label fits
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def runs_per_arm(curves: pd.DataFrame, axes_names: list[str], arm: str) -> pd.Series:
@@ -74,9 +65,7 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict,
     if curves.empty or arm not in curves:
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.text(0.5, 0.5, "no runs logged yet", ha="center")
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100)
-        plt.close(fig)
+        save_figure(fig, path, dpi=100)
         return
     panels = list(manifest["axes"].get(rung, [None])) if rung in axes_names else [None]
     outcome_row = bool(rule.get("effects")) and runs is not None and "reward_auc" in runs
@@ -118,6 +107,4 @@ def _figure_grid(curves: pd.DataFrame, manifest: dict, path: Path, rule: dict,
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(arms), fontsize=8)
     fig.suptitle("\n".join(textwrap.wrap(f"{manifest['label']}: {manifest['stage']}", 45 * len(panels))))
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

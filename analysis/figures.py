@@ -15,25 +15,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+import seaborn as sns
 
-matplotlib.use("Agg")  # files only; no display on a cluster node
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from analysis.runs import MANIFEST, probe_token_tables, probe_tokens, read_manifest, read_tokens  # noqa: E402
-from rpa.core.jsonfiles import atomic_path  # noqa: E402
+from analysis.plots import save_figure
+from analysis.runs import MANIFEST, probe_token_tables, probe_tokens, read_manifest, read_tokens
 
 
 def save_grid(grid, path: Path, title: str | None = None) -> None:
     """Write a seaborn FacetGrid to ``path`` and free it."""
     if title:
         grid.figure.suptitle(title, y=1.02)
-    with atomic_path(path) as tmp:
-        grid.savefig(tmp, bbox_inches="tight", dpi=150)
-    plt.close(grid.figure)
+    save_figure(grid.figure, path, bbox_inches="tight", dpi=150)  # what FacetGrid.savefig does
 
 
 GAPS = {"mean_abs_dlogp": ("vLLM vs trainer (batch 1)", "tab:blue"),

@@ -4,6 +4,9 @@ and a collapse heatmap, from ``RESULTS/study/manifest.json`` and the run directo
 Every expected cell appears: a run without a summary is ``missing``, one that ended in an
 error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
 ``metrics.jsonl`` with the thresholds of its config (:func:`rpa.train.collapse.run_verdict`).
+The rows and statistics are in :mod:`analysis.study_stats`, the figures in
+:mod:`analysis.study_figures`; this module writes the tables (their readable and LaTeX forms and
+captions).
 
 Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
 
@@ -38,7 +41,7 @@ Figures under ``RESULTS/figures``: ``study_rewards`` (reward vs step per size, m
 band over seeds clipped to [0, 1]; eval accuracy at its few eval steps, mean and sd error
 bars), ``study_mismatch_curves`` (in-training mismatch, log scale), ``study_heatmap``
 (collapsed share per size x arm; missing cells grey). One colour per arm everywhere
-(:func:`arm_colors`), one legend per figure.
+(:func:`analysis.study_figures.arm_colors`), one legend per figure.
 """
 
 from __future__ import annotations
@@ -46,94 +49,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import matplotlib
-import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from analysis.latex import booktabs  # noqa: E402
-from analysis.paired import fmt_change, paired_change, positions_only, seed_log_ratio, t_change  # noqa: E402
-from analysis.runs import (MANIFEST, flags, probe_folder, probe_result, probe_tokens, read_manifest,  # noqa: E402
-                           runs_table)
-from rpa.core.jsonfiles import atomic_path, write_text  # noqa: E402
-from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS, CollapseThresholds, sensitivity_settings  # noqa: E402
-
-
-def study_rows(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(one row per expected cell, per-step metrics of finished runs, eval records): each cell's row of
-    :func:`analysis.runs.runs_table` with the study's own columns: ``error``, ``sensitivity`` (the
-    verdict under each variation, by label), ``persistence`` (the run's window), the run's ``numerics``
-    and its in-training mismatch means."""
-    rows, curves, evals = [], [], []
-    for entry in runs_table(manifest, results, "study"):
-        run, c = entry.run, entry.cell
-        row = dict(entry.row)
-        if run.summary is not None:
-            row["error"] = run.summary.get("error")
-        if run.config is not None:
-            row["numerics"] = run.config.get("numerics")
-        if run.judged:
-            row["sensitivity"] = run.sensitivity
-            row["persistence"] = run.thresholds.min_steps_after_drop
-        if run.metrics:
-            m = pd.DataFrame(run.metrics)
-            row.update(train_mean_abs_dlogp=m["mismatch/mean_abs_dlogp"].mean(), train_kl_k3=m["mismatch/kl_k3"].mean())
-            curves.append(m.assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
-        if run.evals:
-            row["final_eval_accuracy"] = run.evals[-1]["eval/accuracy"]
-            evals.append(pd.DataFrame(run.evals).assign(model=c["model"], arm=c["arm"], seed=c["seed"]))
-        rows.append(row)
-    return (pd.DataFrame(rows), pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),
-            pd.concat(evals, ignore_index=True) if evals else pd.DataFrame())
-
-
-def arms_of(manifest: dict, model: str) -> list[str]:
-    """The arms ``model`` ran, in table order (a size may run arms of its own: ``size_arms``)."""
-    ran = {c["arm"] for c in manifest["cells"] if c["model"] == model}
-    return [a for a in manifest["arms"] if a in ran]
-
-
-def _mean_sd(values: pd.Series) -> str:
-    v = values.dropna()
-    if v.empty:
-        return "--"
-    return f"{v.mean():.3g}" if len(v) == 1 else f"{v.mean():.3g} ± {v.std():.2g}"
-
-
-def _verdict_count(done: pd.DataFrame, verdict: str) -> int:
-    return int((done["verdict"] == verdict).sum()) if "verdict" in done else 0
-
-
-def collapse_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
-    """Per model x arm: runs, finished, failed, missing, ``collapsed`` (``k/n`` of the finished
-    runs), ``unconfirmed`` (finished runs whose drop reached the end before the persistence
-    window), ``grad_spikes`` (spike events summed over the finished runs), median collapse step,
-    peak / final reward and final eval accuracy (mean +- sd over seeds)."""
-    rows = []
-    for model in manifest["models"]:
-        for arm in arms_of(manifest, model):
-            g = runs[(runs.model == model) & (runs.arm == arm)]
-            done = g[g.state == "finished"]
-            collapsed = flags(done["collapsed"]) if "collapsed" in done else pd.Series(dtype=bool)
-            spikes = done["grad_spikes"].dropna() if "grad_spikes" in done else pd.Series(dtype=float)
-            rows.append({"model": model, "arm": arm, "runs": len(g), "finished": len(done),
-                         "failed": int((g.state == "failed").sum()), "missing": int((g.state == "missing").sum()),
-                         "collapsed": f"{int(collapsed.sum())}/{len(done)}" if len(done) else "--",
-                         "unconfirmed": _verdict_count(done, "unconfirmed") if len(done) else None,
-                         "grad_spikes": int(spikes.sum()) if len(spikes) else None,
-                         "median_collapse_step": float(done.loc[collapsed, "collapse_step"].median())
-                         if collapsed.any() else None,
-                         "peak_reward": _mean_sd(done.get("peak_reward", pd.Series(dtype=float))),
-                         "final_reward": _mean_sd(done.get("final_reward", pd.Series(dtype=float))),
-                         "terminal_reward": _mean_sd(done.get("terminal_reward", pd.Series(dtype=float))),
-                         "absorbing": int(flags(done["absorbing"]).sum())
-                         if len(done) and "absorbing" in done else None,
-                         "final_eval_accuracy": _mean_sd(done.get("final_eval_accuracy", pd.Series(dtype=float))),
-                         "rule_version": RULE_VERSION})
-    return pd.DataFrame(rows).astype({"unconfirmed": "Int64", "grad_spikes": "Int64", "absorbing": "Int64"})
+from analysis.latex import booktabs
+from analysis.paired import fmt_change
+from analysis.runs import MANIFEST, read_manifest
+from analysis.study_figures import (arm_colors, arm_families, arm_styles, heatmap, mismatch_figure,  # noqa: F401
+                                    reward_figure)
+from analysis.study_stats import collapse_table, mismatch_table, sensitivity_table, study_rows
+from rpa.core.jsonfiles import atomic_path, write_text
+from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 
 
 def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
@@ -153,25 +78,6 @@ def latex_collapse(table: pd.DataFrame) -> pd.DataFrame:
         out["absorbing"] = table["absorbing"].astype(object).where(table["absorbing"].notna(), None)
     out["eval accuracy"] = table["final_eval_accuracy"]
     return out
-
-
-def sensitivity_table(runs: pd.DataFrame, manifest: dict) -> pd.DataFrame:
-    """Per model x arm and per variation of :func:`rpa.train.collapse.sensitivity_settings`: the
-    number of finished runs collapsed (``<label> collapsed``) and unconfirmed
-    (``<label> unconfirmed``) under it."""
-    labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
-    rows = []
-    for model in manifest["models"]:
-        for arm in arms_of(manifest, model):
-            done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
-            sens = [s for s in done.get("sensitivity", pd.Series(dtype=object)) if isinstance(s, dict)]
-            row = {"model": model, "arm": arm, "finished": len(done), "judged": len(sens)}
-            for label in labels:
-                verdicts = [s.get(label, "missing") for s in sens]
-                row[f"{label} collapsed"] = verdicts.count("collapsed")
-                row[f"{label} unconfirmed"] = verdicts.count("unconfirmed")
-            rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def readable_sensitivity(table: pd.DataFrame) -> pd.DataFrame:
@@ -199,87 +105,6 @@ def latex_sensitivity(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if not flagged.any():
         return pd.DataFrame({"model": ["(none)"], "arm": ["--"]}), note
     return readable[flagged].reset_index(drop=True), note
-
-
-def _probe_numerics(results: Path, model: str, config: str) -> dict | None:
-    probe = probe_result(results, model, config)
-    return None if probe is None else probe.summary["config"].get("numerics")
-
-
-def _probe_entropy(results: Path, model: str, config: str) -> float | None:
-    """The trainer's mean next-token entropy (nats) over the probe's completion tokens: mismatch
-    tracks it, so each probe's mismatch is reported with it (None for probes made before it was
-    recorded)."""
-    probe = probe_result(results, model, config)
-    return None if probe is None else probe.summary.get("entropy")
-
-
-def _run_numerics(runs: pd.DataFrame, model: str, arm: str) -> dict | None:
-    """The numerics of the first of ``model``'s runs of ``arm`` (in the manifest's order) with a config."""
-    if "numerics" not in runs:
-        return None
-    found = runs[(runs.model == model) & (runs.arm == arm)]["numerics"]
-    found = [n for n in found if isinstance(n, dict)]
-    return found[0] if found else None
-
-
-def train_change(curves: pd.DataFrame, runs: pd.DataFrame, model: str, arm: str, ref: str,
-                 key: str = "mismatch/mean_abs_dlogp") -> dict:
-    """The paired in-training change of ``key`` of ``arm`` vs ``ref`` for one model: per seed
-    with both runs finished, the geometric-mean ratio over the steps both logged; then the mean
-    log-ratio over seeds with a 95% t-interval (:func:`analysis.paired.t_change`)."""
-    if curves.empty or key not in curves:
-        return t_change([])
-    finished = runs[(runs.model == model) & (runs.state == "finished")]
-    seeds = sorted(set(finished.loc[finished.arm == arm, "seed"]) & set(finished.loc[finished.arm == ref, "seed"]))
-    of = curves[curves.model == model]
-    ratios = [seed_log_ratio(of[(of.arm == arm) & (of.seed == s)], of[(of.arm == ref) & (of.seed == s)], key)[0]
-              for s in seeds]
-    return t_change(ratios)
-
-
-def mismatch_table(results: Path, runs: pd.DataFrame, manifest: dict,
-                   curves: pd.DataFrame | None = None) -> pd.DataFrame:
-    ref = manifest["reference_arm"]
-    curves = pd.DataFrame() if curves is None else curves
-    rows = []
-    for model in manifest["models"]:
-        ref_tokens = probe_tokens(results, model, ref)
-        ref_numerics = _probe_numerics(results, model, ref) or _run_numerics(runs, model, ref)
-        for arm in arms_of(manifest, model):
-            row = {"model": model, "arm": arm, "probe_note": None,
-                   "probe_entropy": _probe_entropy(results, model, arm)}
-            tokens = probe_tokens(results, model, arm)
-            numerics = _probe_numerics(results, model, arm) or _run_numerics(runs, model, arm)
-            if arm != ref and positions_only(numerics, ref_numerics):
-                row["probe_note"] = "n/a (unpadded probe)"
-            elif tokens is not None and ref_tokens is not None:
-                change = paired_change(tokens, ref_tokens)
-                for key, c in change.items():
-                    row.update({f"probe_{key}": c["value"], f"probe_{key}_change": c["change"],
-                                f"probe_{key}_low": c["low"], f"probe_{key}_high": c["high"]})
-                if arm == ref:
-                    row["probe_note"] = "reference"
-                    for key in change:
-                        row.update({f"probe_{key}_change": None, f"probe_{key}_low": None, f"probe_{key}_high": None})
-            elif tokens is not None or probe_folder(results, model, arm).exists():
-                row["probe_note"] = f"no tokens.csv (or none for {ref})"
-            else:  # no probe configuration of this arm's name (an IS arm: the numerics of another arm)
-                same = numerics is not None and numerics == _run_numerics(runs, model, ref)
-                row["probe_note"] = f"no probe (numerics of {ref})" if same and arm != ref else "no probe"
-            done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
-            row["train_mean_abs_dlogp"] = _mean_sd(done.get("train_mean_abs_dlogp", pd.Series(dtype=float)))
-            row["train_kl_k3"] = _mean_sd(done.get("train_kl_k3", pd.Series(dtype=float)))
-            if arm != ref:
-                tc = train_change(curves, runs, model, arm, ref)
-                row.update(train_mean_abs_dlogp_change=tc["change"], train_mean_abs_dlogp_low=tc["low"],
-                           train_mean_abs_dlogp_high=tc["high"], train_paired_seeds=tc["pairs"])
-            rows.append(row)
-    cols = ["model", "arm"] + [f"probe_{k}{s}" for k in ("mean_abs_dlogp", "kl_k3") for s in ("", "_change", "_low",
-                                                                                          "_high")] + \
-        ["probe_note", "probe_entropy", "train_mean_abs_dlogp", "train_kl_k3", "train_mean_abs_dlogp_change", "train_mean_abs_dlogp_low",
-         "train_mean_abs_dlogp_high", "train_paired_seeds"]
-    return pd.DataFrame(rows).reindex(columns=cols).astype({"train_paired_seeds": "Int64"})
 
 
 def _probe_cell(table: pd.DataFrame, key: str) -> list[str]:
@@ -316,243 +141,6 @@ def latex_mismatch(table: pd.DataFrame, ref: str | None = None) -> pd.DataFrame:
                          "probe abs dlogp": table["probe_mean_abs_dlogp"], "probe entropy": table["probe_entropy"],
                          "probe change (95% CI)": _probe_cell(table, "mean_abs_dlogp"),
                          "training change (95% CI)": _train_cell(table, ref)})
-
-
-# --------------------------------------------------------------------------- figures
-
-
-# tab10's ten, then colours unlike any of them (tab20 paired the arms as light and dark shades
-# of one hue); past these, evenly spaced hues
-_EXTRA_COLOURS = ("#000000", "#ff00ff", "#000080", "#7f0000", "#00ff00")
-
-
-def arm_colors(arms: list[str]) -> dict[str, tuple]:
-    """One colour per arm, the same in every panel and figure, no two arms alike: tab10, then
-    black, magenta, navy, maroon, lime (each of these at least 0.4 from every other colour in
-    RGB, farther than tab10's own closest pair; a mustard was too near its orange and olive)."""
-    from matplotlib.colors import hsv_to_rgb, to_rgba
-
-    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + [to_rgba(c) for c in _EXTRA_COLOURS]
-    more = len(arms) - len(palette)
-    palette += [to_rgba(hsv_to_rgb((k / max(more, 1), 0.9, 0.6))) for k in range(max(more, 0))]
-    return {arm: palette[i] for i, arm in enumerate(arms)}
-
-
-def arm_styles(arms: list[str]) -> dict[str, dict]:
-    """Colour (:func:`arm_colors`), line style and marker per arm: arms past tab10's ten are
-    dashed with square markers, so that they differ from the first ten in two ways."""
-    return {arm: {"color": c, "ls": "-" if i < 10 else "--", "marker": "o" if i < 10 else "s"}
-            for i, (arm, c) in enumerate(arm_colors(arms).items())}
-
-
-def _band(ax, frame: pd.DataFrame, x: str, y: str, label: str, color, window: int = 1, log: bool = False,
-          bounds: tuple[float, float] | None = None, ls: str = "-") -> None:
-    """Mean over seeds and a band of one standard deviation; with ``log``, both in log10 space
-    (geometric mean, band x/÷ 10^sd), so that the band of a log-scale axis never crosses zero;
-    with ``bounds``, the band is clipped to them (a reward or an accuracy lies in [0, 1])."""
-    frame = frame.sort_values(x)
-    if window > 1:
-        frame = frame.assign(**{y: frame.groupby("seed")[y].transform(lambda s: s.rolling(window, 1).mean())})
-    if log:
-        frame = frame[frame[y] > 0].assign(**{y: lambda f: np.log10(f[y])})
-    stats = frame.groupby(x)[y].agg(["mean", "std"]).reset_index()
-    low, high = stats["mean"] - stats["std"].fillna(0), stats["mean"] + stats["std"].fillna(0)
-    mean = stats["mean"]
-    if log:
-        mean, low, high = 10 ** mean, 10 ** low, 10 ** high
-    if bounds is not None:
-        low, high = low.clip(*bounds), high.clip(*bounds)
-    ax.plot(stats[x], mean, label=label, lw=1.2, color=color, ls=ls)
-    ax.fill_between(stats[x], low, high, alpha=0.15, color=color, lw=0)
-
-
-def _points(ax, frame: pd.DataFrame, x: str, y: str, style: dict, offset: float,
-            bounds: tuple[float, float] | None = None) -> None:
-    """Mean over seeds at each ``x`` (shifted by ``offset``) with an error bar of one standard
-    deviation clipped to ``bounds``: for a metric measured at a few steps only (a band between
-    two points would draw values nobody measured); joined by a thin line where there are more
-    than two points."""
-    stats = frame.groupby(x)[y].agg(["mean", "std"]).reset_index().sort_values(x)
-    sd = stats["std"].fillna(0)
-    low, high = stats["mean"] - sd, stats["mean"] + sd
-    if bounds is not None:
-        low, high = low.clip(*bounds), high.clip(*bounds)
-    ax.errorbar(stats[x] + offset, stats["mean"], yerr=[stats["mean"] - low, high - stats["mean"]],
-                color=style["color"], marker=style["marker"], ms=3.5, lw=0.8 if len(stats) > 2 else 0,
-                ls=style["ls"], elinewidth=0.9, capsize=1.5)
-
-
-def _bounds(frame: pd.DataFrame, key: str) -> tuple[float, float] | None:
-    """(0, 1) where every value of ``key`` lies in it (a reward or an accuracy), else none."""
-    return (0.0, 1.0) if not frame.empty and key in frame and frame[key].dropna().between(0, 1).all() else None
-
-
-def _of(frame: pd.DataFrame, model: str, arm: str) -> pd.DataFrame:
-    return frame if frame.empty else frame[(frame.model == model) & (frame.arm == arm)]
-
-
-def _legend(fig, styles: dict[str, dict], shown: set[str], markers: bool = False) -> None:
-    """One legend for the whole figure, below its panels (every arm drawn somewhere in it)."""
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], color=s["color"], ls=s["ls"], lw=1.4, marker=s["marker"] if markers else None,
-                      ms=4, label=arm) for arm, s in styles.items() if arm in shown]
-    if handles:
-        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(handles), 6),
-                   fontsize=8, frameon=False, title="arm", title_fontsize=8)
-
-
-def _save(fig, path: Path) -> None:
-    """Write ``fig`` cropped to what it draws (a legend below the panels included) and free it."""
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt.close(fig)
-
-
-ARM_FAMILIES = (("stock BF16 and controls", ("none", "positions-stock", "fp32")),
-                ("one region aligned", ("rope", "swiglu", "rmsnorm")),
-                ("all three regions aligned", ("all", "all-trainer-only", "all-sampler-only")),
-                ("other fixes", ("fp16", "lm-head-fp32", "tis", "mis")))
-"""The figures' rows: arms that answer one question each, so that a panel holds a few arms."""
-
-
-def arm_families(arms: list[str]) -> list[tuple[str, list[str]]]:
-    """``arms`` by :data:`ARM_FAMILIES` (in the arms' order within a family), then the sampler
-    perturbations ("positive control") and any other arm ("other arms"); empty families left out."""
-    out, placed = [], set()
-    for name, members in ARM_FAMILIES:
-        mine = [a for a in arms if a in members]
-        placed.update(mine)
-        out.append((name, mine))
-    out.append(("positive control", [a for a in arms if a.startswith("perturb-") and a not in placed]))
-    placed.update(out[-1][1])
-    out.append(("other arms", [a for a in arms if a not in placed]))
-    return [(name, members) for name, members in out if members]
-
-
-def _family_axes(models: list[str], families: list[tuple[str, list[str]]], height: float = 1.9, log: bool = False):
-    """One row per arm family, one column per model, every panel on the same y-axis."""
-    fig, axes = plt.subplots(len(families), len(models), figsize=(2.7 * len(models), height * len(families) + 0.8),
-                             squeeze=False, sharex=True, sharey=True)
-    for i, (family, _) in enumerate(families):
-        for j, model in enumerate(models):
-            ax = axes[i, j]
-            ax.tick_params(labelsize=7)
-            if log:
-                ax.set_yscale("log")
-            if i == 0:
-                ax.set_title(model, fontsize=9)
-            if i == len(families) - 1:
-                ax.set_xlabel("step", fontsize=8)
-        axes[i, -1].annotate(family, xy=(1.03, 0.5), xycoords="axes fraction", rotation=270, va="center",
-                             ha="left", fontsize=8)
-    return fig, axes
-
-
-def _reference_style(style: dict) -> dict:
-    """The reference arm as drawn in the other families' panels: light grey, dotted, crosses (tab10's
-    own grey, an arm's colour, is darker)."""
-    return {**style, "color": (0.72, 0.72, 0.72, 1.0), "ls": ":", "marker": "x"}
-
-
-def _panel_curves(data: pd.DataFrame, models: list[str], families: list, ref: str, styles: dict):
-    """``(row, column, k, drawn, arm, rows, style)`` for every curve of the family figures: row = arm
-    family, column = model; each panel draws its family's arms and the reference arm (greyed, when it
-    is not a member), ``k`` the arm's place among the ``drawn`` of its panel; empty curves skipped."""
-    for i, (_, members) in enumerate(families):
-        drawn = members if ref in members else [ref, *members]
-        for j, model in enumerate(models):
-            for k, arm in enumerate(drawn):
-                part = _of(data, model, arm)
-                if not part.empty:
-                    style = styles[arm] if arm in members else _reference_style(styles[arm])
-                    yield i, j, k, len(drawn), arm, part, style
-
-
-def reward_figure(curves: pd.DataFrame, evals: pd.DataFrame, manifest: dict, path: Path, label: str,
-                  accuracy_path: Path | None = None) -> None:
-    """Reward (smoothed over 5 steps; mean and sd band over seeds, clipped to [0, 1]): one row per
-    arm family (:func:`arm_families`), one column per model, common y-axes; the reference arm
-    (grey, dotted) in every family's panels. Held-out accuracy (measured at a few steps: mean and
-    sd error bars, the arms dodged along the step axis) the same way in ``accuracy_path``."""
-    models, arms = manifest["models"], manifest["arms"]
-    ref = manifest.get("reference_arm", arms[0])
-    styles = arm_styles(arms)
-    families = arm_families(arms)
-    fig, axes = _family_axes(models, families)
-    shown: set[str] = set()
-    for i, j, _, _, arm, part, style in _panel_curves(curves, models, families, ref, styles):
-        _band(axes[i, j], part, "step", "reward", arm, style["color"], window=5, bounds=_bounds(curves, "reward"),
-              ls=style["ls"])
-        shown.add(arm)
-    for i in range(len(families)):
-        axes[i, 0].set_ylabel("reward (smoothed, 5 steps)", fontsize=7)
-    fig.suptitle(f"{label}: reward per arm family (band: sd over seeds; light grey, dotted: {ref})", fontsize=9)
-    fig.tight_layout()
-    _legend(fig, styles, shown, markers=False)
-    _save(fig, path)
-    if accuracy_path is None:
-        return
-    fig, axes = _family_axes(models, families)
-    steps = evals["step"] if not evals.empty else pd.Series([0.0, 1.0])
-    dodge = 0.02 * max(float(steps.max() - steps.min()), 1.0)
-    shown = set()
-    for i, j, k, drawn, arm, part, style in _panel_curves(evals, models, families, ref, styles):
-        _points(axes[i, j], part, "step", "eval/accuracy", style, (k - (drawn - 1) / 2) * dodge,
-                bounds=_bounds(evals, "eval/accuracy"))
-        shown.add(arm)
-    for i in range(len(families)):
-        axes[i, 0].set_ylabel("held-out accuracy", fontsize=7)
-    fig.suptitle(f"{label}: held-out accuracy per arm family (bars: sd over seeds; light grey, dotted: {ref})", fontsize=9)
-    fig.tight_layout()
-    _legend(fig, styles, shown, markers=True)
-    _save(fig, accuracy_path)
-
-
-def mismatch_figure(curves: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    """In-training mismatch (geometric mean over seeds, band x/÷ one sd of log10): one row per arm
-    family, one column per model, common log y-axes; the reference arm in every panel."""
-    models, arms = manifest["models"], manifest["arms"]
-    ref = manifest.get("reference_arm", arms[0])
-    styles = arm_styles(arms)
-    families = arm_families(arms)
-    fig, axes = _family_axes(models, families, log=True)
-    shown: set[str] = set()
-    for i, j, _, _, arm, part, style in _panel_curves(curves, models, families, ref, styles):
-        _band(axes[i, j], part, "step", "mismatch/mean_abs_dlogp", arm, style["color"], window=3, log=True,
-              ls=style["ls"])
-        shown.add(arm)
-    for i in range(len(families)):
-        axes[i, 0].set_ylabel("mean |dlogp|", fontsize=7)
-    fig.suptitle(f"{label}: in-training mismatch per arm family (geometric mean over seeds, band x/÷ one sd of "
-                 f"log10; light grey, dotted: {ref})", fontsize=9)
-    fig.tight_layout()
-    _legend(fig, styles, shown)
-    _save(fig, path)
-
-
-def heatmap(runs: pd.DataFrame, manifest: dict, path: Path, label: str) -> None:
-    models, arms = manifest["models"], manifest["arms"]
-    share = np.full((len(models), len(arms)), np.nan)
-    text = [["n/a"] * len(arms) for _ in models]
-    for i, model in enumerate(models):
-        for j, arm in enumerate(arms):
-            done = runs[(runs.model == model) & (runs.arm == arm) & (runs.state == "finished")]
-            if len(done):
-                k = int(flags(done["collapsed"]).sum())
-                share[i, j], text[i][j] = k / len(done), f"{k}/{len(done)}"
-    fig, ax = plt.subplots(figsize=(0.6 * len(arms) + 1.4, 0.42 * len(models) + 1.6))
-    cmap = plt.get_cmap("Reds").copy()
-    cmap.set_bad("lightgrey")
-    ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=1, aspect="auto")
-    for i in range(len(models)):
-        for j in range(len(arms)):
-            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(arms)), arms, rotation=45, ha="right", rotation_mode="anchor", fontsize=9)
-    ax.set_yticks(range(len(models)), models, fontsize=9)
-    ax.set_title(f"{label}:\ncollapsed runs / finished runs (grey: none finished)", fontsize=9)
-    _save(fig, path)
 
 
 def write_table(df: pd.DataFrame, tables: Path, name: str, caption: str, readable: pd.DataFrame | None = None,
