@@ -443,15 +443,12 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         if numerics.trainer_precision != "same":
             raise InputError("attribute swaps vLLM's BF16 kernels into a BF16 trainer; --trainer-precision must be "
                              "same")
-    numerics.check_device()
     config = check_model(args.model)
     limit = getattr(config, "max_position_embeddings", None)
     if args.command == "probe" and limit and options.max_model_len > limit:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
     completions = getattr(args, "completions", None)
-    if args.command == "probe" and not completions:
-        options.check_engine_bounds()
     if args.command == "probe" and options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
 
@@ -478,6 +475,10 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         from rpa.measure.diagnose import check_sequences
 
         check_sequences(_sequences(args), config, completions)  # as many as asked, each within the context
+    # the checks that import vLLM (seconds) come after every check the inputs alone decide
+    numerics.check_device()
+    if args.command == "probe" and not completions:
+        options.check_engine_bounds()
     check_output(args.out, "file" if args.command == "parity" else "dir",
                  inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
     from rpa.core.outdir import check_options
