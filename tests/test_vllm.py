@@ -70,15 +70,36 @@ def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
         assert "not gated" in proc.stdout
 
 
-def test_compiled_region_sets_do_not_share_compile_caches(tiny_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def sampled(tiny_dirs, tmp_path_factory):
+    """``sampled(regions, mode)``: the tiny Qwen3's samples from an eager or a compiled engine
+    (tests/scripts/eager_vs_compiled.py, each in its own process, run once for the tests below). The
+    compiled engines compile from scratch into one fresh cache, ``sampled.cache`` (no other root), which
+    the compile-cache test reads; the eager ones use the worker's own. On parallel workers its tests
+    go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    root = tmp_path_factory.mktemp("sampled")
+    done = {}
+
+    def sample(regions: str, mode: str) -> list[dict]:
+        if (regions, mode) not in done:
+            out = root / f"{regions}-{mode}.json"
+            env = {"VLLM_CACHE_ROOT": str(sample.cache), "RPA_VLLM_CACHE_BASE": ""} if mode == "compiled" else None
+            proc = run_py(["tests/scripts/eager_vs_compiled.py", str(tiny_dirs["qwen3"]), regions, mode, str(out)],
+                          env=env)
+            assert proc.returncode == 0, tail(proc)
+            done[regions, mode] = json.loads(out.read_text())
+        return done[regions, mode]
+
+    sample.cache = root / "vllm-cache"
+    return sample
+
+
+def test_compiled_region_sets_do_not_share_compile_caches(sampled):
     """vLLM's compile-cache key holds neither RPA_REGIONS nor the custom-op set: each region
     set compiles under its own cache root, so one cannot load another's graphs."""
-    cache = tmp_path / "vllm-cache"
+    cache = sampled.cache
     for regions in ("none", "all"):
-        out = tmp_path / f"{regions}.json"
-        proc = run_py(["tests/scripts/eager_vs_compiled.py", str(tiny_dirs["qwen3"]), regions, "compiled", str(out)],
-                      env={"VLLM_CACHE_ROOT": str(cache), "RPA_VLLM_CACHE_BASE": ""})
-        assert proc.returncode == 0, tail(proc)
+        sampled(regions, "compiled")
     roots = sorted(p.name for p in cache.iterdir())
     assert roots == ["rpa-all-kernels-reference", "rpa-none-kernels-reference"], roots
     for root in roots:
@@ -109,25 +130,15 @@ def test_parity_refuses_bad_regions(tiny_dirs, tmp_path):
     assert proc.returncode != 0 and "nothing to check" in proc.stderr, tail(proc)
 
 
-def eager_and_compiled(model, regions, tmp_path):
-    results = {}
-    for mode in ("eager", "compiled"):
-        out = tmp_path / f"{regions}-{mode}.json"
-        proc = run_py(["tests/scripts/eager_vs_compiled.py", str(model), regions, mode, str(out)])
-        assert proc.returncode == 0, tail(proc)
-        results[mode] = json.loads(out.read_text())
-    return results["eager"], results["compiled"]
-
-
-def test_aligned_eager_and_compiled_agree_bitwise(tiny_dirs, tmp_path):
-    eager, compiled = eager_and_compiled(tiny_dirs["qwen3"], "all", tmp_path)
+def test_aligned_eager_and_compiled_agree_bitwise(sampled):
+    eager, compiled = sampled("all", "eager"), sampled("all", "compiled")
     assert eager == compiled  # same tokens, same float logprobs
     assert all(len(r["tokens"]) == 12 for r in eager)
 
 
-def test_stock_eager_and_compiled_differ(tiny_dirs, tmp_path):
+def test_stock_eager_and_compiled_differ(sampled):
     """Control for the test above: without alignment Inductor changes the rounding."""
-    eager, compiled = eager_and_compiled(tiny_dirs["qwen3"], "none", tmp_path)
+    eager, compiled = sampled("none", "eager"), sampled("none", "compiled")
     logprobs = lambda rs: [lp for r in rs for lp in r["logprobs"]]  # noqa: E731
     assert logprobs(eager) != logprobs(compiled)
 
