@@ -150,23 +150,48 @@ def probe(model, out, *extra):
     return json.loads((out / "summary.json").read_text())
 
 
-def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_probes(tiny_dirs, tmp_path_factory):
+    """``qwen3_probes(name, *extra)``: :func:`probe` of the tiny Qwen3 into ``qwen3_probes.root / name``,
+    run once for the tests below that score the same tokens (a name is one set of options). On parallel
+    workers these tests go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    done = {}
+
+    def run(name: str, *extra: str) -> dict:
+        if name not in done:
+            done[name] = (extra, probe(tiny_dirs["qwen3"], run.root / name, *extra))
+        assert done[name][0] == extra, (name, extra, done[name][0])
+        return done[name][1]
+
+    run.root = tmp_path_factory.mktemp("qwen3-probes")
+    return run
+
+
+def _stock_and_floor(qwen3_probes) -> tuple[dict, dict, str]:
+    """The stock BF16 probe (sampling the tokens), the FP32 floor on its tokens (and the trainer's own
+    decode of 3 sequences), and the tokens' file."""
+    none = qwen3_probes("none", "--regions", "none")
+    completions = str(qwen3_probes.root / "none" / "completions.jsonl")
+    floor = qwen3_probes("fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
+                         "--decode-sequences", "3")
+    return none, floor, completions
+
+
+def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path, qwen3_probes):
     import csv
 
     from rpa.measure.metrics import mismatch_metrics
 
     model = tiny_dirs["qwen3"]
-    none = probe(model, tmp_path / "none", "--regions", "none")
-    completions = str(tmp_path / "none" / "completions.jsonl")
+    none, floor, completions = _stock_and_floor(qwen3_probes)
     aligned = probe(model, tmp_path / "all", "--regions", "all", "--completions", completions)
-    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
-                  "--decode-sequences", "3")
     big_vocab = probe(model, tmp_path / "no-full-kl", "--regions", "all", "--completions", completions,
                       "--full-kl-max-vocab", "100")
     assert big_vocab["full_kl"] is None and "not computed" in big_vocab["full_kl_note"]
     assert big_vocab["mean_abs_dlogp"] == aligned["mean_abs_dlogp"]  # same tokens, same engines: deterministic
 
-    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "all", "fp32")}
+    folders = {"none": qwen3_probes.root / "none", "all": tmp_path / "all", "fp32": qwen3_probes.root / "fp32"}
+    rows = {name: list(csv.DictReader(open(folder / "tokens.csv"))) for name, folder in folders.items()}
     ids = {name: [(r["seq"], r["token_id"]) for r in rs] for name, rs in rows.items()}
     assert ids["none"] == ids["all"] == ids["fp32"] and none["tokens"] == len(rows["none"]) > 100
     again = mismatch_metrics([float(r["logp_trainer"]) for r in rows["all"]],
@@ -202,21 +227,20 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     assert none["entropy"] > 1.0  # a random model over a 512-token vocabulary is far from deterministic
 
 
-def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs, tmp_path):
+def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs, tmp_path, qwen3_probes):
     """``--trainer-precision fp32`` on identical tokens: its trainer column is the FP32 floor's bit for bit
     (the trainer is FP32) and its sampler column the stock BF16 probe's bit for bit (vLLM still runs BF16),
-    so its mismatch is the FP32 trainer's gap to a BF16 engine -- far above the FP32-on-both-sides floor."""
+    so its mismatch is the FP32 trainer's gap to a BF16 engine -- far above the FP32-on-both-sides floor.
+    The stock probe and the floor are the test above's (qwen3_probes)."""
     import csv
 
     model = tiny_dirs["qwen3"]
-    args = ("--prompts", "4", "--max-tokens", "24")
-    none = probe(model, tmp_path / "none", "--regions", "none", *args)
-    completions = str(tmp_path / "none" / "completions.jsonl")
-    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
-                  *args)
+    none, floor, completions = _stock_and_floor(qwen3_probes)
     mine = probe(model, tmp_path / "trainer-fp32", "--regions", "none", "--trainer-precision", "fp32",
-                 "--completions", completions, *args)
-    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "fp32", "trainer-fp32")}
+                 "--completions", completions)
+    folders = {"none": qwen3_probes.root / "none", "fp32": qwen3_probes.root / "fp32",
+               "trainer-fp32": tmp_path / "trainer-fp32"}
+    rows = {name: list(csv.DictReader(open(folder / "tokens.csv"))) for name, folder in folders.items()}
     column = lambda name, key: [r[key] for r in rows[name]]  # noqa: E731
     assert column("trainer-fp32", "token_id") == column("none", "token_id") == column("fp32", "token_id")
     assert mine["tokens"] == none["tokens"] > 50
