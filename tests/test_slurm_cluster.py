@@ -16,6 +16,7 @@ import copy
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.xdist_group("sl
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")
 REFERENCE = REPO / "results/reference/slurm/sbatch_test_only.csv"
-STEPS, EVERY = 30, 5
+STEPS, EVERY = 20, 5
 """A run's optimizer steps and checkpoint interval: enough steps after the first checkpoint to cancel it there."""
 
 
@@ -133,6 +134,30 @@ def _squeue(env) -> list[dict]:
     return [dict(zip(("id", "state", "comment", "reason"), line.split("|"))) for line in out.splitlines()]
 
 
+@pytest.fixture(scope="session")
+def over_limit_run(slurm_cluster, tmp_path_factory):
+    """The pipeline of the time/memory-limit test, submitted at once (Snakemake in the background, no
+    retries): a run given 1 minute that needs more and the parity job given 500 MB. The pipeline test
+    asks for it too, so that these jobs wait out their limits while that test's pipeline runs on the
+    same cluster (SLURM shares the node's CPUs between the two); the limit test then waits for its end."""
+    root = tmp_path_factory.mktemp("over-limit")
+    results = root / "results"
+    (root / "c").mkdir()
+    config = _config(results, regions=["none"], settings={"long": {"steps": 2000, "warm_start": {"steps": 0}}},
+                     resources={"mem_mb": 3000, "runtime": 1, "cpus_per_task": 1})
+    cfg = write_config(root / "c", config)
+    log = open(root / "snakemake.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", *_targets(results), *_slurm_args(root),
+                             "--configfile", str(cfg), "--retries", "0", "--set-resources", "parity:mem_mb=500",
+                             "parity:cpus_per_task=1"], cwd=REPO, env=slurm_cluster, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    yield {"proc": proc, "log": root / "snakemake.log", "results": results, "cfg": cfg, "logdir": root / "slurm_logs"}
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=120)
+    log.close()
+
+
 def test_the_cluster_is_this_machine_with_its_cpus_and_memory(slurm_cluster, tmp_path):
     node = subprocess.run(["scontrol", "show", "node"], env=slurm_cluster, capture_output=True, text=True).stdout
     real = subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout.split()
@@ -143,7 +168,8 @@ def test_the_cluster_is_this_machine_with_its_cpus_and_memory(slurm_cluster, tmp
     assert parts.split() == ["cpu*", "gpu"]
 
 
-def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_cancelled_job(slurm_cluster, tmp_path):
+def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_cancelled_job(slurm_cluster, tmp_path,
+                                                                                          over_limit_run):
     # the local run of the grid: the reference
     local = tmp_path / "local"
     (tmp_path / "l").mkdir()
@@ -165,7 +191,7 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
     while cancelled is None and run.poll() is None and time.monotonic() < deadline:
         if list(victim.glob("checkpoint-*")) and not (victim / "summary.json").exists():
             job = next(j for j in _squeue(slurm_cluster) if j["state"] == "RUNNING"
-                       and j["comment"].startswith("rule_grid_run") and "_none_" in j["comment"])
+                       and j["comment"].startswith("rule_grid_run_wildcards_train_tiny-qwen3_short_none_"))
             subprocess.run(["scancel", job["id"]], env=slurm_cluster, check=True)
             cancelled = (job["id"], sorted(p.name for p in victim.glob("checkpoint-*")))
         time.sleep(0.2)
@@ -191,27 +217,22 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
 
 
 def test_jobs_over_their_time_or_memory_are_reported_failed_with_their_log_and_leave_nothing_complete(
-        slurm_cluster, tmp_path):
+        slurm_cluster, over_limit_run):
     """A run given 1 minute that needs more (SLURM: TIMEOUT) and the parity job given 500 MB (SLURM's
-    OverMemoryKill: FAILED); no retries."""
-    results = tmp_path / "results"
-    (tmp_path / "c").mkdir()
-    config = _config(results, regions=["none"], settings={"long": {"steps": 2000, "warm_start": {"steps": 0}}},
-                     resources={"mem_mb": 3000, "runtime": 1, "cpus_per_task": 1})
-    cfg = write_config(tmp_path / "c", config)
-    before = max((int(j["id"]) for j in _squeue(slurm_cluster)), default=0)  # the session's earlier jobs
-    proc = _snakemake([*_targets(results), *_slurm_args(tmp_path), "--configfile", str(cfg), "--retries", "0",
-                       "--set-resources", "parity:mem_mb=500", "parity:cpus_per_task=1"], slurm_cluster)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0, text[-3000:]
+    OverMemoryKill: FAILED); no retries (the `over_limit_run` fixture submitted them)."""
+    results, cfg = over_limit_run["results"], over_limit_run["cfg"]
+    rc = over_limit_run["proc"].wait(timeout=900)
+    text = over_limit_run["log"].read_text()
+    assert rc != 0, text[-3000:]
+    mine = set(re.findall(r"has been submitted with SLURM jobid (\d+)", text))  # this pipeline's jobs, not the other's
     jobs = {j["comment"].split("_wildcards_")[0]: j for j in _squeue(slurm_cluster)
-            if int(j["id"]) > before and j["comment"].startswith(("rule_grid_run_wildcards_train_tiny-qwen3_long", "rule_parity"))}
+            if j["id"] in mine and j["comment"].startswith(("rule_grid_run_wildcards_train_tiny-qwen3_long", "rule_parity"))}
     assert jobs["rule_grid_run"]["state"] == "TIMEOUT" and jobs["rule_parity"]["state"] in ("FAILED",
                                                                                               "OUT_OF_MEMORY"), jobs
     for rule, why in (("grid_run", "DUE TO TIME LIMIT"), ("parity", "exceeded memory limit")):
         job = jobs[f"rule_{rule}"]
         assert f"SLURM-job '{job['id']}' failed, SLURM status is: '{job['state']}'" in text, text[-3000:]
-        slurm_log = next((tmp_path / "slurm_logs" / f"rule_{rule}").glob(f"*/{job['id']}.log"))
+        slurm_log = next((over_limit_run["logdir"] / f"rule_{rule}").glob(f"*/{job['id']}.log"))
         assert str(slurm_log) in text, (slurm_log, text[-3000:])  # Snakemake names the job's log
         assert why in slurm_log.read_text(), slurm_log.read_text()[-2000:]
     # nothing half-written left as complete: no outputs, no summary; a rerun would run both jobs again

@@ -676,17 +676,28 @@ def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
     assert checkpoint_layout("Qwen/Qwen3-0.6B") == "id:Qwen/Qwen3-0.6B" != checkpoint_layout(str(a))
 
 
-def _bf16_run(tiny_dirs, tmp_path, name: str, **overrides) -> list[dict]:
-    """``rpa train`` of a short stock-BF16 run on the tiny Qwen3 (warm-started, the sampler's old
-    logprobs) with ``overrides``, in its own process; its metric records."""
-    cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE,
-                                   "numerics": {"regions": "none", "trainer_positions": "mask"},
-                                   "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
-                                   "old_logprobs": "sampler", **overrides}))
-    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / name)])
+def _bf16_runs(tiny_dirs, tmp_path, arms: dict[str, dict]) -> dict[str, list[dict]]:
+    """``rpa train`` of short stock-BF16 runs on the tiny Qwen3 (warm-started, the sampler's old
+    logprobs), one per arm with its overrides, all in one process (as a grid job runs several runs:
+    the imports paid once; test_runs_sharing_a_process_give_the_numbers_each_gives_alone shows a run
+    computes there what it computes alone); each run's metric records."""
+    args = ["-m", "rpa.cli", "train"]
+    for name, overrides in arms.items():
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE,
+                                       "numerics": {"regions": "none", "trainer_positions": "mask"},
+                                       "warm_start": {"steps": 20, "learning_rate": 3.0e-3, "batch_size": 16},
+                                       "old_logprobs": "sampler", **overrides}))
+        args += ["--config", str(cfg), "--out", str(tmp_path / name)]
+    proc = run_py(args)
     assert proc.returncode == 0, tail(proc)
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in arms}
+
+
+def _bf16_run(tiny_dirs, tmp_path, name: str, **overrides) -> list[dict]:
+    """One run of :func:`_bf16_runs`, in its own process; its metric records."""
+    return _bf16_runs(tiny_dirs, tmp_path, {name: overrides})[name]
 
 
 @pytest.mark.engine
@@ -694,9 +705,9 @@ def test_trainer_sampled_rollouts_are_the_mismatch_free_control(tiny_dirs, tmp_p
     """``rollouts: trainer``: the trainer samples its own completions (no vLLM engine), so the
     sampling policy is the trained one up to cached decoding vs the training forward; its in-training
     mismatch is far below the same BF16 arm sampled by vLLM, on the same tiny model, seed and steps."""
-    runs = {rollouts: _bf16_run(tiny_dirs, tmp_path, rollouts, steps=3, checkpoint_every=3, rollouts=rollouts,
-                                task={**BASE["task"], "eval_prompts": 4}, eval_every=3)
-            for rollouts in ("vllm", "trainer")}
+    runs = _bf16_runs(tiny_dirs, tmp_path, {rollouts: dict(steps=3, checkpoint_every=3, rollouts=rollouts,
+                                                           task={**BASE["task"], "eval_prompts": 4}, eval_every=3)
+                                            for rollouts in ("vllm", "trainer")})
     mismatch = {k: max(r["mismatch/mean_abs_dlogp"] for r in v) for k, v in runs.items()}
     assert mismatch["trainer"] < mismatch["vllm"] / 10, mismatch
     assert all(r["sync/mean_abs_dlogp"] is None for r in runs["trainer"])  # no second engine to sync
@@ -724,9 +735,9 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
     recompute = {"rollouts": "trainer", "trainer_decode": "recompute"}
     arms = {"eager": {**recompute, "trainer_batching": "padded"}, "per_row": {**recompute, "trainer_batching": "per_row"},
             "vllm": {"rollouts": "vllm", "trainer_batching": "padded"}}
-    runs = {name: _bf16_run(tiny_dirs, tmp_path, name, steps=2, checkpoint_every=2, attn_implementation="eager",
-                            gradient_checkpointing=False, **overrides)
-            for name, overrides in arms.items()}
+    runs = _bf16_runs(tiny_dirs, tmp_path, {name: dict(steps=2, checkpoint_every=2, attn_implementation="eager",
+                                                       gradient_checkpointing=False, **overrides)
+                                            for name, overrides in arms.items()})
     for name in ("eager", "per_row"):
         assert runs[name] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
                                   for r in runs[name]), runs[name]

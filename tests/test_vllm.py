@@ -70,15 +70,36 @@ def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
         assert "not gated" in proc.stdout
 
 
-def test_compiled_region_sets_do_not_share_compile_caches(tiny_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def sampled(tiny_dirs, tmp_path_factory):
+    """``sampled(regions, mode)``: the tiny Qwen3's samples from an eager or a compiled engine
+    (tests/scripts/eager_vs_compiled.py, each in its own process, run once for the tests below). The
+    compiled engines compile from scratch into one fresh cache, ``sampled.cache`` (no other root), which
+    the compile-cache test reads; the eager ones use the worker's own. On parallel workers its tests
+    go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    root = tmp_path_factory.mktemp("sampled")
+    done = {}
+
+    def sample(regions: str, mode: str) -> list[dict]:
+        if (regions, mode) not in done:
+            out = root / f"{regions}-{mode}.json"
+            env = {"VLLM_CACHE_ROOT": str(sample.cache), "RPA_VLLM_CACHE_BASE": ""} if mode == "compiled" else None
+            proc = run_py(["tests/scripts/eager_vs_compiled.py", str(tiny_dirs["qwen3"]), regions, mode, str(out)],
+                          env=env)
+            assert proc.returncode == 0, tail(proc)
+            done[regions, mode] = json.loads(out.read_text())
+        return done[regions, mode]
+
+    sample.cache = root / "vllm-cache"
+    return sample
+
+
+def test_compiled_region_sets_do_not_share_compile_caches(sampled):
     """vLLM's compile-cache key holds neither RPA_REGIONS nor the custom-op set: each region
     set compiles under its own cache root, so one cannot load another's graphs."""
-    cache = tmp_path / "vllm-cache"
+    cache = sampled.cache
     for regions in ("none", "all"):
-        out = tmp_path / f"{regions}.json"
-        proc = run_py(["tests/scripts/eager_vs_compiled.py", str(tiny_dirs["qwen3"]), regions, "compiled", str(out)],
-                      env={"VLLM_CACHE_ROOT": str(cache), "RPA_VLLM_CACHE_BASE": ""})
-        assert proc.returncode == 0, tail(proc)
+        sampled(regions, "compiled")
     roots = sorted(p.name for p in cache.iterdir())
     assert roots == ["rpa-all-kernels-reference", "rpa-none-kernels-reference"], roots
     for root in roots:
@@ -109,25 +130,15 @@ def test_parity_refuses_bad_regions(tiny_dirs, tmp_path):
     assert proc.returncode != 0 and "nothing to check" in proc.stderr, tail(proc)
 
 
-def eager_and_compiled(model, regions, tmp_path):
-    results = {}
-    for mode in ("eager", "compiled"):
-        out = tmp_path / f"{regions}-{mode}.json"
-        proc = run_py(["tests/scripts/eager_vs_compiled.py", str(model), regions, mode, str(out)])
-        assert proc.returncode == 0, tail(proc)
-        results[mode] = json.loads(out.read_text())
-    return results["eager"], results["compiled"]
-
-
-def test_aligned_eager_and_compiled_agree_bitwise(tiny_dirs, tmp_path):
-    eager, compiled = eager_and_compiled(tiny_dirs["qwen3"], "all", tmp_path)
+def test_aligned_eager_and_compiled_agree_bitwise(sampled):
+    eager, compiled = sampled("all", "eager"), sampled("all", "compiled")
     assert eager == compiled  # same tokens, same float logprobs
     assert all(len(r["tokens"]) == 12 for r in eager)
 
 
-def test_stock_eager_and_compiled_differ(tiny_dirs, tmp_path):
+def test_stock_eager_and_compiled_differ(sampled):
     """Control for the test above: without alignment Inductor changes the rounding."""
-    eager, compiled = eager_and_compiled(tiny_dirs["qwen3"], "none", tmp_path)
+    eager, compiled = sampled("none", "eager"), sampled("none", "compiled")
     logprobs = lambda rs: [lp for r in rs for lp in r["logprobs"]]  # noqa: E731
     assert logprobs(eager) != logprobs(compiled)
 
@@ -139,23 +150,48 @@ def probe(model, out, *extra):
     return json.loads((out / "summary.json").read_text())
 
 
-def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_probes(tiny_dirs, tmp_path_factory):
+    """``qwen3_probes(name, *extra)``: :func:`probe` of the tiny Qwen3 into ``qwen3_probes.root / name``,
+    run once for the tests below that score the same tokens (a name is one set of options). On parallel
+    workers these tests go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    done = {}
+
+    def run(name: str, *extra: str) -> dict:
+        if name not in done:
+            done[name] = (extra, probe(tiny_dirs["qwen3"], run.root / name, *extra))
+        assert done[name][0] == extra, (name, extra, done[name][0])
+        return done[name][1]
+
+    run.root = tmp_path_factory.mktemp("qwen3-probes")
+    return run
+
+
+def _stock_and_floor(qwen3_probes) -> tuple[dict, dict, str]:
+    """The stock BF16 probe (sampling the tokens), the FP32 floor on its tokens (and the trainer's own
+    decode of 3 sequences), and the tokens' file."""
+    none = qwen3_probes("none", "--regions", "none")
+    completions = str(qwen3_probes.root / "none" / "completions.jsonl")
+    floor = qwen3_probes("fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
+                         "--decode-sequences", "3")
+    return none, floor, completions
+
+
+def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path, qwen3_probes):
     import csv
 
     from rpa.measure.metrics import mismatch_metrics
 
     model = tiny_dirs["qwen3"]
-    none = probe(model, tmp_path / "none", "--regions", "none")
-    completions = str(tmp_path / "none" / "completions.jsonl")
+    none, floor, completions = _stock_and_floor(qwen3_probes)
     aligned = probe(model, tmp_path / "all", "--regions", "all", "--completions", completions)
-    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
-                  "--decode-sequences", "3")
     big_vocab = probe(model, tmp_path / "no-full-kl", "--regions", "all", "--completions", completions,
                       "--full-kl-max-vocab", "100")
     assert big_vocab["full_kl"] is None and "not computed" in big_vocab["full_kl_note"]
     assert big_vocab["mean_abs_dlogp"] == aligned["mean_abs_dlogp"]  # same tokens, same engines: deterministic
 
-    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "all", "fp32")}
+    folders = {"none": qwen3_probes.root / "none", "all": tmp_path / "all", "fp32": qwen3_probes.root / "fp32"}
+    rows = {name: list(csv.DictReader(open(folder / "tokens.csv"))) for name, folder in folders.items()}
     ids = {name: [(r["seq"], r["token_id"]) for r in rs] for name, rs in rows.items()}
     assert ids["none"] == ids["all"] == ids["fp32"] and none["tokens"] == len(rows["none"]) > 100
     again = mismatch_metrics([float(r["logp_trainer"]) for r in rows["all"]],
@@ -191,21 +227,20 @@ def test_probe_scores_identical_tokens_across_configurations(tiny_dirs, tmp_path
     assert none["entropy"] > 1.0  # a random model over a 512-token vocabulary is far from deterministic
 
 
-def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs, tmp_path):
+def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs, tmp_path, qwen3_probes):
     """``--trainer-precision fp32`` on identical tokens: its trainer column is the FP32 floor's bit for bit
     (the trainer is FP32) and its sampler column the stock BF16 probe's bit for bit (vLLM still runs BF16),
-    so its mismatch is the FP32 trainer's gap to a BF16 engine -- far above the FP32-on-both-sides floor."""
+    so its mismatch is the FP32 trainer's gap to a BF16 engine -- far above the FP32-on-both-sides floor.
+    The stock probe and the floor are the test above's (qwen3_probes)."""
     import csv
 
     model = tiny_dirs["qwen3"]
-    args = ("--prompts", "4", "--max-tokens", "24")
-    none = probe(model, tmp_path / "none", "--regions", "none", *args)
-    completions = str(tmp_path / "none" / "completions.jsonl")
-    floor = probe(model, tmp_path / "fp32", "--regions", "none", "--precision", "fp32", "--completions", completions,
-                  *args)
+    none, floor, completions = _stock_and_floor(qwen3_probes)
     mine = probe(model, tmp_path / "trainer-fp32", "--regions", "none", "--trainer-precision", "fp32",
-                 "--completions", completions, *args)
-    rows = {name: list(csv.DictReader(open(tmp_path / name / "tokens.csv"))) for name in ("none", "fp32", "trainer-fp32")}
+                 "--completions", completions)
+    folders = {"none": qwen3_probes.root / "none", "fp32": qwen3_probes.root / "fp32",
+               "trainer-fp32": tmp_path / "trainer-fp32"}
+    rows = {name: list(csv.DictReader(open(folder / "tokens.csv"))) for name, folder in folders.items()}
     column = lambda name, key: [r[key] for r in rows[name]]  # noqa: E731
     assert column("trainer-fp32", "token_id") == column("none", "token_id") == column("fp32", "token_id")
     assert mine["tokens"] == none["tokens"] > 50
