@@ -12,22 +12,18 @@ maps each kind to what it adds to the one grid machinery: its entry builder (the
 
 from __future__ import annotations
 
-from typing import Any
-
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from rpa.core.numerics_config import perturbation_label
 from rpa.core.regions import parse_regions, region_label
 from rpa.core.yamlfiles import load_yaml
 from rpa.workflow.grid import BASE, CELL, Axis, Cell, Grid, Group, SharedWarmStart, expand, group_cells
 from rpa.workflow.jobs import model_location
-from rpa.workflow.resources import BYTES_PER_PARAMETER, study_resources
 
 
-MULTI_GRID_SECTIONS = ("search", "grids")
-"""The kinds whose section holds several entries, each named (a search stage, a ``grids:`` entry): their
-cells and outputs carry the entry's name; the other kinds' section is one entry."""
+BYTES_PER_PARAMETER = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes of one weight as vLLM holds it, by ``numerics.precision``."""
 
 
 def _located_models(config: dict[str, Any]) -> dict[str, str]:
@@ -98,11 +94,30 @@ def kind_grids(config: dict[str, Any], kind: str) -> list[Grid]:
     return [grid_of(config, kind, spec, name, bases) for name, spec in entries(config, kind, bases).items()]
 
 
+def written_entries(config: dict[str, Any], kind: str) -> dict[str | None, dict[str, Any]]:
+    """The entries of a config's ``kind`` section as written, by name (None: the section's one entry; a search
+    stage without the search's base); empty where the config has no such section."""
+    node = config.get(kind)
+    if not node:
+        return {}
+    at = KINDS[kind].entries_at
+    if at is None:
+        return {None: node}
+    for key in at:
+        node = node.get(key) or {}
+    return dict(node)
+
+
+def entry_key(kind: str, name: str | None) -> str:
+    """Where an entry is written in the config, as a problem names it: ``train``, ``search.stages.grid``,
+    ``grids.lr-sweep``."""
+    at = KINDS[kind].entries_at
+    return kind if at is None else ".".join((kind, *at, name))
+
+
 def entry_of(config: dict[str, Any], kind: str, cell: Cell) -> dict[str, Any]:
     """The entry ``cell`` of ``kind`` belongs to, as written (a search stage: without the search's base)."""
-    if kind in MULTI_GRID_SECTIONS:
-        return (config["search"]["stages"] if kind == "search" else config["grids"])[grid_stage(cell)]
-    return config[kind]
+    return written_entries(config, kind)[grid_stage(cell)]
 
 
 def grid_groups(config: dict[str, Any], kind: str, cells: list[Cell]) -> list[Group]:
@@ -287,11 +302,6 @@ def _study_before(config: dict[str, Any]) -> list[str]:
                 problems.append(f"study.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
                                 f"name the two arms differently")
             first.setdefault(a, (m, overrides or {}))
-    for knob in ("runs_per_process", "arms_per_process"):
-        if int(study.get(knob, 1)) > 1:
-            problems += [f"study.{knob}: {study[knob]}, but {m!r} launches with "
-                         f"{study_resources(config, m)['launch']!r}: a multi-process launch holds one run"
-                         for m in study["models"] if study_resources(config, m)["launch"] != "single"]
     return problems
 
 
@@ -465,6 +475,15 @@ class Kind:
     after: Callable[[dict[str, Any], list[Cell], bool], list[str]] | None = None
     check_inits: bool = False
     """Validate each shared warm start's run config before the cells' (a fixed warm-start folder's)."""
+    entries_at: tuple[str, ...] | None = None
+    """Where its section holds its named entries (``search``: under ``stages``; ``grids``: at the top), whose
+    cells and outputs carry the entry's name; None: the section is its one entry (:func:`written_entries`)."""
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    """Its runs' resources where its entry sets none, over :data:`rpa.workflow.resources.RUN_DEFAULTS` (the
+    entry's ``resources``: experiments/schema/config.schema.yaml ``$defs/resources``)."""
+    resources_by: str | None = None
+    """The label that picks a run's ``resources`` where its entry's are a mapping label -> resources (the
+    study's: by model size); None: the entry's ``resources`` are every run's."""
 
 
 _STUDY_TABLES = {f"{name}_{ext}": f"tables/study_{name}.{ext}"
@@ -479,7 +498,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "python -m analysis.train_summary --results {params.results} --out-table {output.csv} --out-md {output.md} "
          "--out-figure {output.fig} > {log} 2>&1",
          {"csv": "tables/train.csv", "md": "tables/train.md", "fig": "figures/train_curves.{format}"},
-         ("csv", "fig"), "GRPO grid", "train_all", "train_aggregate.log", before=_train_before),
+         ("csv", "fig"), "GRPO grid", "train_all", "train_aggregate.log", before=_train_before,
+         resources={"mem_mb": 8000}),
     Kind("dose", lambda config, bases: {None: dose_spec(config, bases)}, lambda c: f"dose cell {c.name}",
          _dose_manifest,
          "python -m analysis.dose --results {params.results} --out-dir {params.results}/tables --figure {output.fig} "
@@ -487,13 +507,14 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          {"csv": "tables/dose.csv", "md": "tables/dose.md", "runs": "tables/dose_runs.csv",
           "sensitivity": "tables/dose_sensitivity.csv", "fig": "figures/dose_response.{format}"},
          ("csv", "runs", "sensitivity", "fig"), "Positive control", "dose_response", "dose_aggregate.log",
-         before=_dose_before, check_inits=True),
+         before=_dose_before, check_inits=True, resources={"mem_mb": 6000, "runtime": 60}),
     Kind("study", lambda config, bases: {None: study_spec(config)},
          lambda c: f"study.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})",
          _study_manifest, "python -m analysis.study --results {params.results} --format {params.format} > {log} 2>&1",
          {**_STUDY_TABLES, **_STUDY_FIGURES}, (*(k for k in _STUDY_TABLES if k.endswith("_csv")), *_STUDY_FIGURES),
          "Study", "study", "study_aggregate.log", inputs=("tables/probe.csv",),
-         before=_study_before, after=_study_after, check_inits=True),
+         before=_study_before, after=_study_after, check_inits=True, resources={"mem_mb": 8000},
+         resources_by="model"),
     Kind("search", lambda config, bases: search_entries(config), lambda c: f"search cell {c.name}",
          _search_manifest,
          "python -m analysis.collapse_search --results {params.results} --stage {wildcards.entry} "
@@ -501,19 +522,23 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          {"csv": "tables/search_{entry}.csv", "md": "tables/search_{entry}.md", "json": "tables/search_{entry}.json",
           "fig": "figures/search_{entry}.{format}"},
          ("csv", "fig"), "Collapse search", "collapse_{entry}", "search_{entry}.log", target_entries=SEARCH_STAGES,
-         before=_search_before, after=_search_after),
+         before=_search_before, after=_search_after, entries_at=("stages",)),
     Kind("grids", lambda config, bases: dict(config.get("grids") or {}), lambda c: f"grids cell {c.name}",
          _grids_manifest,
          "python -m analysis.grid_summary --results {params.results} --grid {wildcards.entry} --out-csv {output.csv} "
          "--out-md {output.md} > {log} 2>&1",
          {"csv": "tables/grids/{entry}.csv", "md": "tables/grids/{entry}.md"}, ("csv",), "Grids", "grids",
-         "grids_{entry}.log"),
+         "grids_{entry}.log", entries_at=()),
 )}
 """Every kind of experiment by its config section, in the order the workflow lists them. A new kind is one
 entry here (its preset, checks, manifest extras, analysis and outputs) and a caption rules/report/<kind>.rst."""
 
 GRID_SECTIONS = tuple(KINDS)
 """The config sections that are grids of training runs: one per kind."""
+
+MULTI_GRID_SECTIONS = tuple(name for name, kind in KINDS.items() if kind.entries_at is not None)
+"""The kinds whose section holds several entries, each named (a search stage, a ``grids:`` entry): their
+cells and outputs carry the entry's name; the other kinds' section is one entry."""
 
 
 def kind_cells(config: dict[str, Any], kind: str, entry: str | None = None) -> list[Cell]:

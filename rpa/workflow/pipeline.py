@@ -24,6 +24,7 @@ from rpa.core.yamlfiles import load_yaml
 from rpa.workflow.experiments import GRID_SECTIONS, KINDS, grid_groups, kind_grids
 from rpa.workflow.grid import WARM_START_INPUTS, Cell, Group, expand
 from rpa.workflow.jobs import parity_options, probe_options, prompts_task
+from rpa.workflow.resources import launch_problems
 
 
 class PipelineConfigError(ValueError):
@@ -271,7 +272,7 @@ def grid_problems(config: dict[str, Any], kind: str) -> tuple[list[str], list[Ce
     from rpa.train.config import TrainConfig, TrainConfigError
 
     spec = KINDS[kind]
-    problems = spec.before(config) if spec.before else []
+    problems = (spec.before(config) if spec.before else []) + launch_problems(config, kind)
     if problems:
         return problems, []
     try:

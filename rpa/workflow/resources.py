@@ -4,43 +4,80 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-
-RUN_DEFAULTS = {"gpu": 0, "cpus_per_task": 2, "launch": "single"}
-"""A run's resources where its entry sets none: on the CPU, in one process."""
+from rpa.workflow.experiments import KINDS, entry_key, written_entries
 
 
-def run_resources(config: dict[str, Any], kind: str, entry: dict[str, Any], labels: Mapping[str, str],
-                  model: str | None = None) -> dict[str, Any]:
+RUN_DEFAULTS = {"gpu": 0, "runtime": 120, "cpus_per_task": 2, "launch": "single", "label_mem_mb": {}}
+"""A run's resources where neither its entry nor its kind (:attr:`~rpa.workflow.experiments.Kind.resources`)
+sets them: on the CPU, two cores, in one process, 120 minutes; ``mem_mb``: the config's ``job_mem_mb``."""
+
+
+def entry_resources(kind: str, entry: dict[str, Any], label: str | None = None) -> dict[str, Any]:
+    """The one ``resources`` mapping of an entry of ``kind`` as written
+    (experiments/schema/config.schema.yaml ``$defs/resources``), its defaults filled in: :data:`RUN_DEFAULTS`,
+    then the kind's, then the entry's (where the kind picks them by a label,
+    :attr:`~rpa.workflow.experiments.Kind.resources_by`: those of ``label``). ``mem_mb`` is absent where
+    none of them sets it (the config's ``job_mem_mb``)."""
+    spec = KINDS[kind]
+    given = entry.get("resources") or {}
+    if spec.resources_by is not None:
+        given = given.get(label) or {}
+    return {**RUN_DEFAULTS, **spec.resources, **given}
+
+
+def run_resources(config: dict[str, Any], kind: str, entry: dict[str, Any],
+                  labels: Mapping[str, str]) -> dict[str, Any]:
     """Scheduler resources of one run of an experiment (``kind``, its ``entry`` as written, the run's
     ``labels``): ``gpu``, ``mem_mb``, ``runtime`` (minutes), ``cpus_per_task`` and ``launch`` (``single``: one
-    process; else the accelerate config a multi-GPU run launches with). One ``resources`` mapping
-    (experiments/schema/config.schema.yaml, ``x-run-resources``): the entry's, else the study's by
-    ``model`` size; its ``label_mem_mb`` (the largest of the run's labels) before its ``mem_mb``, before the
-    config's ``job_mem_mb``; ``runtime`` 120 where none is given."""
-    if kind == "study":
-        return study_resources(config, model)
-    res = entry.get("resources") or {}
-    by_label = res.get("label_mem_mb") or {}
-    labelled = [by_label[v] for v in labels.values() if v in by_label]
-    return {**RUN_DEFAULTS, **{k: res[k] for k in ("gpu", "cpus_per_task") if k in res},
-            "mem_mb": max(labelled, default=res.get("mem_mb", config["job_mem_mb"])),
-            "runtime": res.get("runtime", 120)}
+    process; else the accelerate config a multi-GPU run launches with), from :func:`entry_resources`; its
+    ``label_mem_mb`` (the largest of the run's labels) before its ``mem_mb``, before the config's
+    ``job_mem_mb``."""
+    by = KINDS[kind].resources_by
+    res = entry_resources(kind, entry, None if by is None else labels.get(by))
+    labelled = [res["label_mem_mb"][v] for v in labels.values() if v in res["label_mem_mb"]]
+    mem = max(labelled, default=res["mem_mb"] if "mem_mb" in res else config["job_mem_mb"])
+    return {"gpu": res["gpu"], "mem_mb": mem, "runtime": res["runtime"], "cpus_per_task": res["cpus_per_task"],
+            "launch": res["launch"]}
 
 
 def group_resources(config: dict[str, Any], kind: str, entry: dict[str, Any], cells) -> dict[str, Any]:
     """The resources of one process of ``cells`` (a process group): its first run's, the runtime the sum
     of its runs'."""
-    first = cells[0]
-    res = run_resources(config, kind, entry, first.labels, first.labels.get("model"))
+    res = run_resources(config, kind, entry, cells[0].labels)
     return {**res, "runtime": res["runtime"] * len(cells)}
 
 
 def study_resources(config: dict[str, Any], model: str, runs: int = 1) -> dict[str, Any]:
-    """Scheduler resources of one process of ``runs`` training runs of ``model``
-    (``study.resources`` gives one run's, by size; the runtime adds up)."""
-    defaults = {"gpu": 0, "mem_mb": 8000, "runtime": 120, "cpus_per_task": 2, "launch": "single"}
-    res = {**defaults, **((config["study"].get("resources") or {}).get(model) or {})}
+    """Scheduler resources of one process of ``runs`` training runs of ``model`` in the study
+    (:func:`run_resources`; the runtime adds up)."""
+    res = run_resources(config, "study", config["study"], {"model": model})
     return {**res, "runtime": res["runtime"] * runs}
+
+
+def _resources_written(config: dict[str, Any], kind: str):
+    """(entry name, entry as written, label, where its ``resources`` are in the config) of each ``resources``
+    of a kind's entries: one per entry, or one per label where the kind picks them by a label (the study's
+    models)."""
+    for name, entry in written_entries(config, kind).items():
+        if KINDS[kind].resources_by is None:
+            yield name, entry, None, f"{entry_key(kind, name)}.resources"
+        else:
+            for label in entry.get("resources") or {}:
+                yield name, entry, label, f"{entry_key(kind, name)}.resources.{label}"
+
+
+def launch_problems(config: dict[str, Any], kind: str) -> list[str]:
+    """One line per ``runs_per_process`` / ``arms_per_process`` above 1 of an entry whose runs launch as
+    several processes (a ``launch`` other than ``single``): such a launch holds one run."""
+    problems = []
+    for knob in ("runs_per_process", "arms_per_process"):
+        for name, entry, label, _ in _resources_written(config, kind):
+            launch = entry_resources(kind, entry, label)["launch"]
+            if int(entry.get(knob, 1)) > 1 and launch != "single":
+                who = "its runs launch" if label is None else f"{label!r} launches"
+                problems.append(f"{entry_key(kind, name)}.{knob}: {entry[knob]}, but {who} with {launch!r}: "
+                                f"a multi-process launch holds one run")
+    return problems
 
 
 def study_priorities(config: dict[str, Any], groups: dict[str, list[str]]) -> dict[str, int]:
@@ -63,13 +100,9 @@ def gpu_shortfall(config: dict[str, Any], lent: int | None) -> str | None:
     it, and the job would then wait for GPUs the machine does not have (:mod:`rpa.workflow.gpus`)."""
     if lent is None:
         return None
-    needs = {"gpus_per_job": int(config.get("gpus_per_job") or 0),
-             "train.resources.gpu": int(((config.get("train") or {}).get("resources") or {}).get("gpu", 0))}
-    if config.get("study"):
-        needs.update({f"study.resources.{m}.gpu": int(study_resources(config, m)["gpu"])
-                      for m in config["study"]["models"]})
-    needs.update({f"grids.{name}.resources.gpu": int((spec.get("resources") or {}).get("gpu", 0))
-                  for name, spec in (config.get("grids") or {}).items()})
+    needs = {"gpus_per_job": int(config.get("gpus_per_job") or 0)}
+    needs.update({f"{where}.gpu": int(entry_resources(kind, entry, label)["gpu"])
+                  for kind in KINDS for _, entry, label, where in _resources_written(config, kind)})
     over = [f"{key} {count}" for key, count in needs.items() if count > lent]
     if not over:
         return None
@@ -77,6 +110,3 @@ def gpu_shortfall(config: dict[str, Any], lent: int | None) -> str | None:
             f"fewer than a job needs: {', '.join(over)}; drop those sizes from study.models here, or run them "
             f"where they fit (SLURM)")
 
-
-BYTES_PER_PARAMETER = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes of one weight as vLLM holds it, by ``numerics.precision``."""
