@@ -30,6 +30,15 @@ def kind_outputs(kind, entry=None):
             for name, path in KINDS[kind].outputs.items()}
 
 
+def aggregate_command(kind, wildcards, output):
+    """The analysis command of one aggregate job of ``kind`` (``Kind.analysis`` with its placeholders filled)."""
+    from types import SimpleNamespace
+
+    log = f"{R}/logs/{KINDS[kind].log}".replace("{entry}", getattr(wildcards, "entry", "") or "")
+    return KINDS[kind].analysis.format(params=SimpleNamespace(results=R, format=FIGURES["format"]), output=output,
+                                       wildcards=wildcards, log=log)
+
+
 def study_outputs(wildcards=None):
     return list(kind_outputs("study").values()) if CELLS["study"] else []
 
@@ -82,14 +91,15 @@ for _kind in KINDS.values():
         output:
             **_outputs,
         params:
-            results=R,
-            format=FIGURES["format"],
+            # the kind's command line, made per job: a directive that names the loop's `_kind` would read its last
+            # value when the job runs (Snakemake evaluates `shell:` then, in this file's namespace)
+            command=lambda wc, output, kind=_kind.name: aggregate_command(kind, wc, output),
         log:
             f"{R}/logs/{_kind.log}",
         conda:
             ENV
         shell:
-            _kind.analysis
+            "{params.command}"
 
     # the kind's targets: all its tables and figures (a search stage's each: collapse_<stage>)
     if "{entry}" in _kind.target:
