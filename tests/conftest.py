@@ -25,35 +25,9 @@ def pytest_configure(config):
         os.environ[CACHE_BASE_ENV] = os.path.join(cache_base(), f"pytest-{worker}")
 
 
-KINDS = ("slurm", "engine", "cli", "unit")
-"""The kinds, slowest first: the order a parallel worker is handed single tests in."""
-
-
-def _kind(item) -> str:
-    return next(k for k in KINDS if item.get_closest_marker(k))
-
-
-def _shared_fixture(item) -> str | None:
-    """The first module- or session-scoped fixture of the test's own module (not conftest's) that the
-    test uses, as ``module.fixture``; None if it uses none."""
-    for name in item.fixturenames:
-        defs = item._fixtureinfo.name2fixturedefs.get(name)
-        if defs and defs[-1].scope in ("module", "session") and defs[-1].baseid.endswith(".py"):
-            return f"{Path(defs[-1].baseid).stem}.{name}"
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config, items):
     """Every test gets one kind: ``engine`` or ``cli`` as marked, else ``cli`` when its body
-    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``.
-
-    On parallel workers (``make test``: ``--dist loadgroup``), the tests that share a module- or
-    session-scoped fixture of their module go to one worker (an ``xdist_group`` per fixture, unless
-    marked with one already), so it is computed once, not once per worker or whenever a worker
-    comes back to the module; and the single tests are handed out slowest kind first, so that no
-    worker is left with a long engine test at the end while the other idles (pytest-xdist hands out
-    the groups first, largest first)."""
+    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``."""
     for item in items:
         if item.get_closest_marker("engine") or item.get_closest_marker("cli"):
             continue
@@ -62,13 +36,6 @@ def pytest_collection_modifyitems(config, items):
         except (OSError, TypeError):
             source = ""
         item.add_marker("cli" if SUBPROCESS_CALL.search(source) else "unit")
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    for item in items:
-        shared = _shared_fixture(item)
-        if shared and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(shared))
-    items.sort(key=lambda item: KINDS.index(_kind(item)))  # stable: file order within a kind
 
 
 @pytest.fixture(scope="session")
