@@ -4,10 +4,11 @@ PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CORES       ?= 2
-# pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers); loadgroup keeps the tests
-# of one xdist_group (the `slurm` tests: one cluster on this machine) on one worker
+# pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers); loadfile keeps the tests of
+# one file on one worker: the `slurm` tests share one cluster on this machine, and a module's shared fixtures
+# (one engine, one pipeline run) are made once (pytest-xdist 3.8's loadgroup did not group here: measured)
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1

@@ -76,7 +76,7 @@ def sampled(tiny_dirs, tmp_path_factory):
     (tests/scripts/eager_vs_compiled.py, each in its own process, run once for the tests below). The
     compiled engines compile from scratch into one fresh cache, ``sampled.cache`` (no other root), which
     the compile-cache test reads; the eager ones use the worker's own. On parallel workers its tests
-    go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    go to one worker (the Makefile's --dist loadfile)."""
     root = tmp_path_factory.mktemp("sampled")
     done = {}
 
@@ -154,7 +154,7 @@ def probe(model, out, *extra):
 def qwen3_probes(tiny_dirs, tmp_path_factory):
     """``qwen3_probes(name, *extra)``: :func:`probe` of the tiny Qwen3 into ``qwen3_probes.root / name``,
     run once for the tests below that score the same tokens (a name is one set of options). On parallel
-    workers these tests go to one worker (tests/conftest.py: one xdist_group per shared fixture)."""
+    workers these tests go to one worker (the Makefile's --dist loadfile)."""
     done = {}
 
     def run(name: str, *extra: str) -> dict:
