@@ -46,6 +46,9 @@ temperature and truncation, the distribution it sampled from (``processed_logpro
 it for its IS correction); ``raw`` -- before either (``raw_logprobs``, vLLM's default)."""
 
 VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+REPORTED_PARTS = {"processed": ("total", "rounding", "truncation"), "raw": ("total", "rounding", "temperature")}
+"""The parts of the gap each :data:`LOGPROBS_MODES` carries (:func:`gap_split`; the other part is 0)."""
 """The vLLM engine argument ``logprobs_mode`` of each :data:`LOGPROBS_MODES`."""
 
 
@@ -197,7 +200,7 @@ def gap_split(recompute_trn: float, smp: SamplerToken, mode: LogprobsMode) -> di
     (module docstring): ``total`` = ``rounding`` + ``truncation`` (processed) or + ``temperature``
     (raw); the part ``mode`` does not report is 0. Exact up to the FP64 sum of the parts."""
     rounding = recompute_trn - smp.scaled
-    truncation = smp.scaled - smp.processed if mode == "processed" else 0.0
-    temperature = smp.scaled - smp.raw if mode == "raw" else 0.0
+    truncation = smp.scaled - smp.processed if "truncation" in REPORTED_PARTS[mode] else 0.0
+    temperature = smp.scaled - smp.raw if "temperature" in REPORTED_PARTS[mode] else 0.0
     return {"total": recompute_trn - smp.reported(mode), "rounding": rounding, "truncation": truncation,
             "temperature": temperature}

@@ -49,7 +49,8 @@ from rpa.measure.metrics import RATIO_BAND, full_kl, mismatch_metrics
 from rpa.measure.prompts import DEFAULT_PROMPTS_DISTINCT, default_prompts, probe_prompts  # noqa: F401 - default_prompts: the diagnosis's too
 from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
-from rpa.core.sampling import VLLM_LOGPROBS_MODE, LogprobsMode, SamplingSettings, gap_split, sampling_field, settings_of
+from rpa.core.sampling import (REPORTED_PARTS, VLLM_LOGPROBS_MODE, LogprobsMode, SamplingSettings, gap_split,
+                                sampling_field, settings_of)
 from rpa.measure.scoring import (
     load_completions,
     sample_completions,
@@ -172,42 +173,40 @@ SPLIT_COLUMNS = ("seq", "position", "token_id", "logp_recompute", "logp_sampler_
 temperature, the sampler's raw, temperature-scaled and processed logprob, and the gap's parts."""
 
 
-def _split_rows(split, trn, smp, sampling: SamplingSettings):
-    for c, recompute, tokens in zip(split, trn, smp):
-        for j, (tok, r, t) in enumerate(zip(c["completion_ids"], recompute, tokens)):
-            yield {"seq": c["seq"], "position": j, "token_id": tok, "logp_recompute": r, "logp_sampler_raw": t.raw,
-                   "logp_sampler_scaled": t.scaled, "logp_sampler_processed": t.processed,
-                   **gap_split(r, t, sampling.logprobs)}
+def split_rows(split, trn, smp, sampling: SamplingSettings) -> list[dict[str, Any]]:
+    """The rows of ``split.csv`` (:data:`SPLIT_COLUMNS`): each token's logprobs and the gap's parts."""
+    return [{"seq": c["seq"], "position": j, "token_id": tok, "logp_recompute": r, "logp_sampler_raw": t.raw,
+             "logp_sampler_scaled": t.scaled, "logp_sampler_processed": t.processed,
+             **gap_split(r, t, sampling.logprobs)}
+            for c, recompute, tokens in zip(split, trn, smp)
+            for j, (tok, r, t) in enumerate(zip(c["completion_ids"], recompute, tokens))]
 
 
-def sampling_split(split, trn, smp, sampling: SamplingSettings, ratio_band) -> dict[str, Any]:
-    """The gap between the trainer's recompute and what the sampler reports on the identical tokens,
-    and each part of it, with the probe's metrics (:func:`~rpa.measure.metrics.mismatch_metrics` of a pair
-    whose difference is the part). A token outside the sampler's own kept set (possible on tokens another
-    configuration sampled: rounding moved the truncation's edge) has no processed logprob: counted in
-    ``outside_kept`` and left out of every part."""
-    rows = list(_split_rows(split, trn, smp, sampling))
+def sampling_split(rows: list[dict[str, Any]], sequences: int, sampling: SamplingSettings,
+                   ratio_band) -> dict[str, Any]:
+    """The gap between the trainer's recompute and what the sampler reports on the identical tokens (``rows``:
+    :func:`split_rows` of ``sequences`` sequences), and each part of it the mode reports
+    (:data:`~rpa.core.sampling.REPORTED_PARTS`), with the probe's metrics
+    (:func:`~rpa.measure.metrics.mismatch_metrics` of a pair whose difference is the part). A token outside the
+    sampler's own kept set (possible on tokens another configuration sampled: rounding moved the truncation's
+    edge) has no processed logprob: counted in ``outside_kept`` and left out of every part."""
     kept = [r for r in rows if math.isfinite(r["logp_sampler_processed"])]
-    pairs = {"total": ("logp_recompute", "reported"), "rounding": ("logp_recompute", "logp_sampler_scaled"),
+    reported = "logp_sampler_processed" if sampling.logprobs == "processed" else "logp_sampler_raw"
+    pairs = {"total": ("logp_recompute", reported), "rounding": ("logp_recompute", "logp_sampler_scaled"),
              "truncation": ("logp_sampler_scaled", "logp_sampler_processed"),
              "temperature": ("logp_sampler_scaled", "logp_sampler_raw")}
-    reported = "logp_sampler_processed" if sampling.logprobs == "processed" else "logp_sampler_raw"
     seqs = [r["seq"] for r in kept]
-    parts = {}
-    for part, (a, b) in pairs.items():
-        b = reported if b == "reported" else b
-        if part == "truncation" and sampling.logprobs == "raw" or part == "temperature" and sampling.logprobs == "processed":
-            continue  # not in what this mode reports (gap_split: 0)
-        parts[part] = mismatch_metrics([r[a] for r in kept], [r[b] for r in kept], seqs, ratio_band)
-    return {"settings": asdict(sampling), "label": sampling.label, "sequences": len(split), "tokens": len(rows),
+    parts = {part: mismatch_metrics([r[pairs[part][0]] for r in kept], [r[pairs[part][1]] for r in kept], seqs,
+                                    ratio_band) for part in REPORTED_PARTS[sampling.logprobs]}
+    return {"settings": asdict(sampling), "label": sampling.label, "sequences": sequences, "tokens": len(rows),
             "outside_kept": len(rows) - len(kept), "parts": parts}
 
 
-def write_split_tokens(path: Path, split, trn, smp, sampling: SamplingSettings) -> None:
+def write_split_tokens(path: Path, rows: list[dict[str, Any]]) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(SPLIT_COLUMNS))
         writer.writeheader()
-        writer.writerows(_split_rows(split, trn, smp, sampling))
+        writer.writerows(rows)
 
 
 # ------------------------------------------------------------------------ driver
@@ -328,8 +327,9 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
             "decode_vs_sampler": _pair_stats(of("logp_trainer_decode"), of("logp_sampler")),
         }
     if split:
-        summary["sampling_split"] = sampling_split(split, trn_split, smp_split, sampling, options.ratio_band)
-        write_split_tokens(out / "split.csv", split, trn_split, smp_split, sampling)
+        split_table = split_rows(split, trn_split, smp_split, sampling)  # made once: the summary and split.csv
+        summary["sampling_split"] = sampling_split(split_table, len(split), sampling, options.ratio_band)
+        write_split_tokens(out / "split.csv", split_table)
     if completions_path is None:
         summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
     summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
