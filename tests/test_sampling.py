@@ -105,3 +105,61 @@ def test_the_split_adds_up_and_its_rounding_part_is_zero_with_identical_logits(s
                     float(recompute_logprobs(logits[row], t)[y] - raw_logprobs(logits[row])[y]), abs=1e-6)
         if settings.temperature == 1 and not settings.truncates:
             assert same["total"] == 0.0  # T = 1, no truncation: the reported logprob is the recompute's
+
+
+# ------------------------------------------------------------ the trainer's side, in training
+
+
+@pytest.mark.parametrize("settings", [s for s in SETTINGS if s.truncates])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_renormalised_logprob_and_the_kept_mass_are_the_samplers_own_functions_bit_for_bit(settings, bf16):
+    """Where the sampled token is inside vLLM's kept set, ``trainer_logprobs: renormalised`` gives exactly the
+    processed logprob and the split's truncation part exactly the log kept mass (torch.equal); a token outside it
+    is flagged, kept in the support, and gets a finite logprob."""
+    from rpa.core.sampling import kept_support, renormalised_logprobs, transform_part
+
+    logits = _logits(bf16=bf16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    targets = torch.multinomial(torch.softmax(logits / settings.temperature, -1), 1, generator=g)[:, 0]
+    targets[:4] = logits.argmin(-1)[:4]  # four tokens no truncation keeps (except top_p = 1e-6's argmax rows)
+    keep, outside = kept_support(logits, targets, settings)
+    inside = kept_mask(logits, settings).gather(-1, targets[:, None])[:, 0]
+    assert torch.equal(outside, ~inside) and outside[:4].all() and not outside[4:].all()
+    renormalised = renormalised_logprobs(logits, targets, settings, keep)
+    processed = processed_logprobs(logits, settings).gather(-1, targets[:, None])[:, 0]
+    assert torch.equal(renormalised[inside], processed[inside])
+    assert torch.isfinite(renormalised).all() and torch.isinf(processed[~inside]).all()
+    part = transform_part(logits, targets, settings, keep)
+    assert torch.equal(part[inside], log_kept_mass(logits, settings)[inside])
+    assert (part <= 0).all()
+    recompute = recompute_logprobs(logits, settings.temperature).gather(-1, targets[:, None])[:, 0]
+    assert torch.allclose(recompute - part, renormalised, atol=1e-5)  # the identity the split rests on
+
+
+def test_the_temperature_part_is_the_recompute_less_the_raw_logprob_and_vanishes_at_t1():
+    from rpa.core.sampling import transform_part
+
+    logits, targets = _logits(seed=5), torch.arange(64) % 512
+    raw = SamplingSettings(temperature=0.7, logprobs="raw")
+    part = transform_part(logits, targets, raw, None)
+    want = (recompute_logprobs(logits, 0.7) - raw_logprobs(logits)).gather(-1, targets[:, None])[:, 0]
+    assert torch.equal(part, want) and part.abs().max() > 0.1
+    assert torch.equal(transform_part(logits, targets, SamplingSettings(logprobs="raw"), None), torch.zeros(64))
+    assert torch.equal(transform_part(logits, targets, SamplingSettings(), None), torch.zeros(64))
+
+
+def test_the_per_step_split_is_the_total_less_the_measured_part():
+    from rpa.measure.metrics import gap_split_metrics
+
+    recompute = np.array([-1.0, -2.0, -0.5, -3.0])
+    sampler = np.array([-0.9, -1.7, -0.5, -2.5])  # processed: renormalised, so above the recompute
+    part = np.array([-0.1, -0.25, 0.0, -0.5])  # the log kept mass
+    m = gap_split_metrics(recompute, sampler, part, [0, 1, 0, 0], "processed")
+    assert m["total/mean_abs_dlogp"] == pytest.approx(0.9 / 4) and m["total/mean_dlogp"] == pytest.approx(-0.9 / 4)
+    assert m["truncation/mean_dlogp"] == pytest.approx(-0.85 / 4)
+    assert m["rounding/mean_abs_dlogp"] == pytest.approx(0.05 / 4) and m["rounding/mean_dlogp"] == pytest.approx(-0.05 / 4)
+    assert m["outside_kept"] == 1 and not any(k.startswith("temperature") for k in m)
+    raw = gap_split_metrics(recompute, sampler, part, [0, 0, 0, 0], "raw")
+    assert set(raw) == {f"{p}/{s}" for p in ("total", "rounding", "temperature") for s in ("mean_abs_dlogp", "mean_dlogp")} | {"outside_kept"}
+    with pytest.raises(ValueError, match="equally long"):
+        gap_split_metrics(recompute, sampler, part[:3], [0, 0, 0], "processed")

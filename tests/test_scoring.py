@@ -165,3 +165,52 @@ def test_aligned_full_training_forward_of_a_sequence_does_not_depend_on_its_padd
     for logps, ent in got[1:]:
         assert torch.equal(logps, got[0][0]) and torch.equal(ent, got[0][1])
     assert not any(torch.equal(p, padded[0]) for p in padded[1:])  # control: a forward that sees the padding
+
+
+def test_scoring_with_the_samplers_truncation_renormalises_and_splits_as_the_pure_functions_do(tiny_dirs):
+    """``trainer_logprobs: renormalised`` and the per-step split go through the training path's chunked head:
+    the renormalised logprobs, the full recompute and the gap's truncation part equal the pure functions of
+    rpa.core.sampling on the plain forward's logits bit for bit, padded or per row; gradients flow through the
+    renormalised logprobs; without truncation the recompute column is the plain path's own."""
+    from transformers import AutoModelForCausalLM
+
+    from rpa.core.numerics_config import NumericsConfig
+    from rpa.core.sampling import SamplingSettings, kept_support, renormalised_logprobs, transform_part
+    from rpa.measure.scoring import Transforms, token_logps_and_entropy, token_logps_and_entropy_per_row
+    from rpa.sides.trainer import align_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], dtype=torch.float32)
+    align_model(model, NumericsConfig.from_dict({"regions": "all"}))
+    ids = torch.randint(3, 500, (4, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    settings = SamplingSettings(temperature=0.7, top_p=0.9, top_k=50)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[:, -13:-1].float().reshape(-1, model.config.vocab_size)
+    targets = ids[:, -12:].reshape(-1)
+    keep, outside = kept_support(logits, targets, settings)
+    want = {"renormalised": renormalised_logprobs(logits, targets, settings, keep).view(4, 12),
+            "recompute": torch.log_softmax(logits / 0.7, -1).gather(-1, targets[:, None]).view(4, 12),
+            "part": transform_part(logits, targets, settings, keep).view(4, 12)}
+    assert outside.any() and not outside.all()  # random tokens: some outside the kept set, some inside
+    for per_row in (False, True):
+        with torch.no_grad():
+            if per_row:
+                logps, _, extra = token_logps_and_entropy_per_row(model, ids, mask, 12, 0.7, chunk_tokens=7,
+                                                                  transforms=Transforms(settings, True, True))
+            else:
+                logps, _, extra = token_logps_and_entropy(model, ids, mask, 12, 0.7, batch_size=2, chunk_tokens=7,
+                                                          transforms=Transforms(settings, True, True))
+        assert torch.equal(logps, want["renormalised"]), per_row
+        assert torch.equal(extra[..., 0], want["recompute"]) and torch.equal(extra[..., 1], want["part"])
+        assert torch.equal(extra[..., 2].bool(), outside.view(4, 12))
+    model.zero_grad()
+    logps, _ = token_logps_and_entropy(model, ids, mask, 12, 0.7, chunk_tokens=7,
+                                       transforms=Transforms(settings, renormalise=True))
+    logps.sum().backward()  # through the checkpointed head
+    assert torch.equal(logps.detach(), want["renormalised"])
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():
+        plain, _ = token_logps_and_entropy(model, ids, mask, 12, chunk_tokens=7)
+        same, _, extra = token_logps_and_entropy(model, ids, mask, 12, chunk_tokens=7,
+                                                 transforms=Transforms(SamplingSettings(), parts=True))
+    assert torch.equal(same, plain) and torch.equal(extra[..., 0], plain) and not extra[..., 1:].any()

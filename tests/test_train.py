@@ -839,3 +839,57 @@ def test_a_tied_models_sampler_follows_every_weight_sync(tmp_path):
     assert len(rows) == 3 and all(r["sync/over_tolerance"] == 0 for r in rows), rows
     assert max(r["mismatch/mean_abs_dlogp"] for r in rows) < 1e-5, [r["mismatch/mean_abs_dlogp"] for r in rows]
     assert max(r["sync/mean_abs_dlogp"] for r in rows) < 1e-5
+
+
+@pytest.mark.parametrize("patch, needle", [
+    ({"top_p": 0.9, "is_correction": "token_truncate"}, "top_p/top_k with vLLM's logprobs in the loss"),
+    ({"top_k": 20}, "top_p/top_k with vLLM's logprobs in the loss"),  # BASE's own: old_logprobs sampler
+    ({"logprobs": "raw", "temperature": 0.7}, "logprobs: raw with vLLM's logprobs in the loss"),
+    ({"trainer_logprobs": "renormalised", "old_logprobs": "trainer"}, "trainer_logprobs: renormalised renormalises"),
+    ({"top_p": 0.9, "logprobs": "raw", "trainer_logprobs": "renormalised", "old_logprobs": "trainer"},
+     "trainer_logprobs: renormalised renormalises"),
+    ({"rollouts": "trainer", "top_p": 0.9, "old_logprobs": "trainer"}, "rollouts: trainer samples at the temperature"),
+    ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
+    ({"temperature": 0}, "temperature must be a finite number > 0, got 0"),
+    ({"trainer_logprobs": "truncated"}, "trainer_logprobs: 'truncated' is not one of full, renormalised"),
+])
+def test_sampling_settings_that_mean_nothing_or_bias_the_loss_are_refused_in_one_line(patch, needle):
+    with pytest.raises(TrainConfigError) as err:
+        TrainConfig.from_dict({"model": "m", **BASE, "old_logprobs": "sampler", **patch})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sampling_settings_that_train_unbiased_are_taken():
+    for patch in ({"top_p": 0.9, "trainer_logprobs": "renormalised"},  # the fix of the biased ratio
+                  {"top_p": 0.9, "old_logprobs": "trainer"},  # vLLM's logprobs only measured: no bias in the loss
+                  {"logprobs": "raw", "temperature": 0.7, "old_logprobs": "trainer"}):
+        cfg = TrainConfig.from_dict({"model": "m", **BASE, "old_logprobs": "sampler", **patch})
+        assert cfg.sampling.top_p == patch.get("top_p", 1.0) and cfg.to_dict()["trainer_logprobs"] in ("full",
+                                                                                                       "renormalised")
+
+
+@pytest.mark.engine
+def test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_its_ratio_is_one(tiny_dirs, tmp_path):
+    """top_p/top_k and the logprob semantics in GRPO: every step's ``split/*`` says how much of the gap between
+    the trainer's full recompute and vLLM's reported logprob is rounding and how much truncation (or temperature).
+    FP32 on both sides with ``trainer_logprobs: renormalised`` and vLLM's logprobs as PPO's old ones: the ratio the
+    loss sees is 1 up to the FP32 floor, while the same run's full recompute would be off by the log kept mass
+    (the control, in the same tokens); ``logprobs: raw`` at T = 0.7: vLLM reports raw logprobs (its engine is
+    checked) and the gap is the temperature part."""
+    fp32 = {"regions": "none", "precision": "fp32"}
+    runs = _bf16_runs(tiny_dirs, tmp_path, {
+        "renormalised": dict(steps=2, checkpoint_every=2, numerics=fp32, warm_start={"steps": 0}, temperature=0.7,
+                             top_p=0.8, top_k=50, trainer_logprobs="renormalised", gradient_checkpointing=False),
+        "raw": dict(steps=2, checkpoint_every=2, warm_start={"steps": 0}, temperature=0.7, logprobs="raw",
+                    old_logprobs="trainer", gradient_checkpointing=False)})
+    for r in runs["renormalised"]:
+        assert r["mismatch/mean_abs_dlogp"] < 1e-4, r  # pi / mu = 1 up to FP32's rounding
+        assert r["split/rounding/mean_abs_dlogp"] == pytest.approx(r["mismatch/mean_abs_dlogp"], abs=1e-6)
+        assert r["split/truncation/mean_abs_dlogp"] > 100 * r["mismatch/mean_abs_dlogp"] + 1e-3, r  # log S, unbiased away
+        assert r["split/total/mean_abs_dlogp"] == pytest.approx(r["split/truncation/mean_abs_dlogp"], rel=0.05)
+        assert "split/temperature/mean_abs_dlogp" not in r and r["split/outside_kept"] >= 0
+    for r in runs["raw"]:
+        assert r["split/temperature/mean_abs_dlogp"] > 0.05 and "split/truncation/mean_abs_dlogp" not in r, r
+        assert r["split/total/mean_abs_dlogp"] == pytest.approx(r["mismatch/mean_abs_dlogp"], rel=1e-9)
+        assert r["split/rounding/mean_abs_dlogp"] < r["split/temperature/mean_abs_dlogp"], r

@@ -46,10 +46,17 @@ temperature and truncation, the distribution it sampled from (``processed_logpro
 it for its IS correction); ``raw`` -- before either (``raw_logprobs``, vLLM's default)."""
 
 VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+"""The vLLM engine argument ``logprobs_mode`` of each :data:`LOGPROBS_MODES`."""
 
 REPORTED_PARTS = {"processed": ("total", "rounding", "truncation"), "raw": ("total", "rounding", "temperature")}
 """The parts of the gap each :data:`LOGPROBS_MODES` carries (:func:`gap_split`; the other part is 0)."""
-"""The vLLM engine argument ``logprobs_mode`` of each :data:`LOGPROBS_MODES`."""
+
+TrainerLogprobs = Literal["full", "renormalised"]
+TRAINER_LOGPROBS = ("full", "renormalised")
+"""The trainer's logprob of a sampled token: ``full`` -- TRL's recompute, ``log softmax(l/T)`` over the
+whole vocabulary (:func:`recompute_logprobs`); ``renormalised`` -- over the sampler's kept support as
+vLLM's rule finds it on the trainer's own logits (:func:`renormalised_logprobs`), so that with top-p/
+top-k on, its ratio to the sampler's processed logprob carries rounding only, not the kept mass."""
 
 
 @dataclass(frozen=True)
@@ -204,3 +211,45 @@ def gap_split(recompute_trn: float, smp: SamplerToken, mode: LogprobsMode) -> di
     temperature = smp.scaled - smp.raw if "temperature" in REPORTED_PARTS[mode] else 0.0
     return {"total": recompute_trn - smp.reported(mode), "rounding": rounding, "truncation": truncation,
             "temperature": temperature}
+
+
+# ------------------------------------------------------------ the trainer's side, in training
+# During training the sampler reports one logprob per token and nothing else, so the part of the
+# gap that is not rounding is measured on the trainer's logits (the probe measures it on the
+# sampler's: the two differ by rounding only). ``logits`` (n, vocab), ``targets`` (n,) the sampled tokens.
+
+
+def kept_support(logits: torch.Tensor, targets: torch.Tensor, settings: SamplingSettings):
+    """vLLM's kept set on these logits (:func:`kept_mask`) with each sampled token put in it, and
+    whether it was outside (rounding can move the truncation's edge past a token the other stack kept
+    and drew: it is then renormalised over the kept set and itself, never given ``-inf``)."""
+    keep = kept_mask(logits, settings)
+    outside = ~keep.gather(-1, targets[:, None])[:, 0]
+    return keep.scatter(-1, targets[:, None], True), outside
+
+
+def renormalised_logprobs(logits: torch.Tensor, targets: torch.Tensor, settings: SamplingSettings,
+                          keep: torch.Tensor) -> torch.Tensor:
+    """The sampled tokens' ``log softmax(l/T)`` over ``keep`` (:func:`kept_support`): the trainer's
+    logprob with ``trainer_logprobs: renormalised``; bit for bit :func:`processed_logprobs` where the
+    token is inside vLLM's kept set (the same mask, the same log-softmax)."""
+    import torch
+
+    scaled = (logits.float() / settings.temperature).masked_fill(~keep, -math.inf)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+def transform_part(logits: torch.Tensor, targets: torch.Tensor, settings: SamplingSettings,
+                   keep: torch.Tensor | None) -> torch.Tensor:
+    """The part of each token's gap (:func:`gap_split`) that is not rounding, from these logits:
+    the recompute ``log softmax(l/T)[y]`` minus what they report in the sampler's mode -- ``processed``:
+    the log of the mass the truncation keeps (``keep``, :func:`kept_support`; 0 without truncation);
+    ``raw``: ``log softmax(l/T)[y] - log softmax(l)[y]`` (0 at T = 1)."""
+    import torch
+
+    recompute = recompute_logprobs(logits, settings.temperature)
+    if settings.logprobs == "raw":
+        return (recompute - raw_logprobs(logits)).gather(-1, targets[:, None])[:, 0]
+    if keep is None:  # nothing truncated: the processed logprob is the recompute
+        return torch.zeros(targets.shape, dtype=recompute.dtype, device=recompute.device)
+    return torch.logsumexp(recompute.masked_fill(~keep, -math.inf), dim=-1)  # log S <= 0

@@ -43,6 +43,30 @@ def mismatch_metrics(logp_trainer, logp_sampler, seq_ids, ratio_band: tuple[floa
     }
 
 
+def gap_split_metrics(logp_recompute, logp_sampler, part, outside, mode: str) -> dict:
+    """The per-step split of ``rpa train`` (``split/*`` in ``metrics.jsonl``): over one step's completion
+    tokens, the gap between the trainer's full recompute and the logprob the sampler reports in ``mode``,
+    and its parts (:data:`rpa.core.sampling.REPORTED_PARTS`): ``part`` is each token's non-rounding part
+    measured on the trainer's logits (:func:`rpa.core.sampling.transform_part`: the truncation's log kept
+    mass, or the temperature's), ``rounding`` the rest. Each part's mean |.| and mean (nats/token);
+    ``outside_kept``: tokens the sampler drew that vLLM's truncation rule leaves out on the trainer's
+    logits (rounding moved the edge; renormalised with the kept set)."""
+    from rpa.core.sampling import REPORTED_PARTS
+
+    recompute = np.asarray(logp_recompute, dtype=np.float64)
+    total = recompute - np.asarray(logp_sampler, dtype=np.float64)
+    part = np.asarray(part, dtype=np.float64)
+    if total.shape != part.shape or total.ndim != 1 or total.size == 0:
+        raise ValueError("the split needs 1-D, equally long, non-empty token arrays")
+    values = {"total": total, "rounding": total - part, "truncation": part, "temperature": part}
+    out = {}
+    for name in REPORTED_PARTS[mode]:
+        out[f"{name}/mean_abs_dlogp"] = float(np.abs(values[name]).mean())
+        out[f"{name}/mean_dlogp"] = float(values[name].mean())
+    out["outside_kept"] = int(np.asarray(outside).sum())
+    return out
+
+
 def full_kl(logp_sampler, logp_trainer) -> np.ndarray:
     """KL(μ‖π) = Σ_v μ(v) (log μ(v) − log π(v)) per position, over the whole vocabulary.
 

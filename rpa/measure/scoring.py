@@ -18,6 +18,7 @@ Trainer log-softmax is taken in FP32, as vLLM takes it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -262,13 +263,48 @@ def sync_gap(llm, model, ids: list[int]) -> tuple[float, list[float], list[float
     return sum(abs(a - b) for a, b in zip(pi, mu)) / len(mu), mu, pi
 
 
-def _head_logps(head, hidden, targets, temperature: float, entropy: bool):
-    """LM head + FP32 log-softmax of one chunk of tokens: picked log-probs (and entropies)."""
+@dataclass(frozen=True)
+class Transforms:
+    """What the trainer's scoring does beyond TRL's recompute at the sampling temperature (``None``
+    where: the recompute, bit for bit as before): ``renormalise`` -- each token's logprob over the
+    sampler's kept support (:func:`rpa.core.sampling.renormalised_logprobs`, ``trainer_logprobs:
+    renormalised``); ``parts`` -- also each token's full recompute, its non-rounding part of the gap to
+    the sampler's report and whether it fell outside the kept set (:func:`rpa.core.sampling.transform_part`:
+    the per-step split of ``rpa train``). ``settings`` are the sampler's (its temperature is the recompute's)."""
+
+    settings: Any
+    renormalise: bool = False
+    parts: bool = False
+
+    @property
+    def columns(self) -> int:
+        """Columns of the scoring head's output: logprob, entropy, and with ``parts`` recompute, part, outside."""
+        return 5 if self.parts else 2
+
+
+def _head_logps(head, hidden, targets, temperature: float, entropy: bool, transforms: Transforms | None = None):
+    """LM head + FP32 log-softmax of one chunk of tokens: picked log-probs (and entropies), and with
+    ``transforms`` their renormalised form and the gap's non-rounding part (:class:`Transforms`)."""
     import torch
 
-    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    logits = head(hidden).float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     picked = logp.gather(-1, targets[:, None])[:, 0]
-    return picked, (-(logp.exp() * logp).sum(-1) if entropy else None)
+    ent = -(logp.exp() * logp).sum(-1) if entropy else None  # of the whole distribution, as TRL's
+    if transforms is None:
+        return picked, ent
+    from rpa.core.sampling import kept_support, renormalised_logprobs, transform_part
+
+    settings, recompute = transforms.settings, picked
+    keep, outside = kept_support(logits, targets, settings) if settings.truncates else (None, None)
+    if transforms.renormalise:
+        picked = renormalised_logprobs(logits, targets, settings, keep)
+    if not transforms.parts:
+        return picked, ent
+    with torch.no_grad():
+        part = transform_part(logits, targets, settings, keep)
+        out = torch.zeros_like(part, dtype=torch.bool) if outside is None else outside
+    return picked, ent, recompute.detach(), part, out.to(part.dtype)
 
 
 def _inner_model(model):
@@ -287,9 +323,10 @@ class _ChunkedHead:
     and recomputed in the backward pass, so no more than one chunk of full-vocabulary logits is
     alive. Wrapped or not, every caller scores through this one path (π_old and π agree bitwise)."""
 
-    def __init__(self, stock, targets, temperature: float, entropy: bool, chunk_tokens: int) -> None:
+    def __init__(self, stock, targets, temperature: float, entropy: bool, chunk_tokens: int,
+                 transforms: Transforms | None = None) -> None:
         self.stock, self.targets, self.temperature = stock, targets, temperature
-        self.entropy, self.chunk_tokens = entropy, chunk_tokens
+        self.entropy, self.chunk_tokens, self.transforms = entropy, chunk_tokens, transforms
 
     def __call__(self, hidden):
         import torch
@@ -297,49 +334,47 @@ class _ChunkedHead:
 
         batch, width = hidden.size(0), hidden.size(-1)
         hidden = hidden[:, :-1].reshape(-1, width)  # the positions predicting the kept tokens
-        picked, ents = [], []
+        columns = [[] for _ in range(2 if self.transforms is None else self.transforms.columns)]
         for lo in range(0, self.targets.numel(), self.chunk_tokens):
             args = (self.stock, hidden[lo:lo + self.chunk_tokens], self.targets[lo:lo + self.chunk_tokens],
-                    self.temperature, self.entropy)
+                    self.temperature, self.entropy, self.transforms)
             if torch.is_grad_enabled() and hidden.requires_grad:
-                p, e = checkpoint(_head_logps, *args, use_reentrant=False)
+                got = checkpoint(_head_logps, *args, use_reentrant=False)
             else:
-                p, e = _head_logps(*args)
-            picked.append(p)
-            ents.append(e if e is not None else torch.zeros_like(p))
-        return torch.stack([torch.cat(picked), torch.cat(ents)], dim=-1).view(batch, -1, 2)
+                got = _head_logps(*args)
+            for column, value in zip(columns, got):
+                column.append(value if value is not None else torch.zeros_like(got[0]))
+        return torch.stack([torch.cat(c) for c in columns], dim=-1).view(batch, -1, len(columns))
 
 
 def token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_keep: int,
                                     temperature: float = 1.0, compute_entropy: bool = False,
-                                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+                                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS, transforms: Transforms | None = None):
     """:func:`token_logps_and_entropy` of each sequence alone, its padding cut off: one forward per
     row of the tokens its ``attention_mask`` keeps (one contiguous span: prompts padded on the left,
     completions on the right), so that a row's bits do not depend on how long the other rows of its
     batch are. The padded positions of the last ``logits_to_keep`` get 0 (they are masked out)."""
     import torch
 
-    logps, entropies = [], []
+    rows = []
     for row in range(input_ids.size(0)):
         kept = attention_mask[row].nonzero()[:, 0]
         start, end = (int(kept[0]), int(kept[-1]) + 1) if kept.numel() else (0, 0)
         completion = max(0, end - (input_ids.size(1) - logits_to_keep))  # kept tokens among the scored
         if completion == 0:  # nothing of this row is scored: no forward
-            logp = ent = torch.zeros(1, 0, device=input_ids.device)
+            columns = 2 if transforms is None else transforms.columns
+            scored = torch.zeros(1, 0, columns, device=input_ids.device)
         else:
             ids = input_ids[row:row + 1, start:end]
-            logp, ent = token_logps_and_entropy(model, ids, torch.ones_like(ids), completion, temperature,
-                                                1, compute_entropy, chunk_tokens)
-        pad = (0, logits_to_keep - completion)
-        logps.append(torch.nn.functional.pad(logp, pad))
-        if compute_entropy:
-            entropies.append(torch.nn.functional.pad(ent, pad))
-    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
+            scored = _score(model, ids, torch.ones_like(ids), completion, temperature, compute_entropy, chunk_tokens,
+                            transforms)
+        rows.append(torch.nn.functional.pad(scored, (0, 0, 0, logits_to_keep - completion)))
+    return _split(torch.cat(rows), compute_entropy, transforms)
 
 
 def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: int, temperature: float = 1.0,
                             batch_size: int | None = None, compute_entropy: bool = False,
-                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+                            chunk_tokens: int = LOGPROB_CHUNK_TOKENS, transforms: Transforms | None = None):
     """Per-token log-probabilities (and entropies) of the last ``logits_to_keep`` tokens.
 
     Sequences go through the model's own forward in micro-batches of ``batch_size`` (through
@@ -349,31 +384,42 @@ def token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep: in
     ``chunk_tokens`` tokens at a time inside that forward (:class:`_ChunkedHead`), each chunk
     recomputed in the backward pass when gradients are on, so at most one chunk of
     full-vocabulary logits is alive at a time instead of ``batch x tokens x vocabulary``.
+    With ``transforms`` (:class:`Transforms`) the logprobs are renormalised over the sampler's kept
+    support where it asks, and where it asks for ``parts`` a third value comes back, ``(batch, tokens,
+    3)``: each token's full recompute, the non-rounding part of its gap, and 1 where it was outside the
+    kept set.
     """
     import torch
 
+    batch_size = batch_size or input_ids.size(0)
+    scored = [_score(model, input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
+                     logits_to_keep, temperature, compute_entropy, chunk_tokens, transforms)
+              for start in range(0, input_ids.size(0), batch_size)]
+    return _split(torch.cat(scored), compute_entropy, transforms)
+
+
+def _split(scored, compute_entropy: bool, transforms: Transforms | None):
+    """The columns of :class:`_ChunkedHead`'s output as :func:`token_logps_and_entropy` returns them."""
+    got = (scored[..., 0], scored[..., 1] if compute_entropy else None)
+    return got + (scored[..., 2:],) if transforms is not None and transforms.parts else got
+
+
+def _score(model, ids, mask, logits_to_keep: int, temperature: float, compute_entropy: bool, chunk_tokens: int,
+           transforms: Transforms | None):
+    """One micro-batch through the model's forward with :class:`_ChunkedHead` as its LM head's."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    batch_size = batch_size or input_ids.size(0)
     head = _inner_model(model).get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(_inner_model(model)).__name__} has no LM head to score tokens with")
     own_forward = head.__dict__.get("forward")  # an alignment's patched forward lives on the instance
-    logps, entropies = [], []
     try:
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
-            head.forward = _ChunkedHead(own_forward or type(head).forward.__get__(head),
-                                        ids[:, -logits_to_keep:].reshape(-1), temperature, compute_entropy,
-                                        chunk_tokens)
-            out = model(input_ids=ids, attention_mask=mask, use_cache=False,
-                        logits_to_keep=logits_to_keep + 1).logits
-            logps.append(out[..., 0])
-            if compute_entropy:
-                entropies.append(out[..., 1])
+        head.forward = _ChunkedHead(own_forward or type(head).forward.__get__(head),
+                                    ids[:, -logits_to_keep:].reshape(-1), temperature, compute_entropy,
+                                    chunk_tokens, transforms)
+        return model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=logits_to_keep + 1).logits
     finally:
         if own_forward is None:
             head.__dict__.pop("forward", None)
         else:
             head.forward = own_forward
-    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None

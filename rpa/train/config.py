@@ -15,6 +15,7 @@ from rpa.train.collapse import CollapseThresholds
 from rpa.core.errors import UserError
 from rpa.core.fieldtypes import FieldTypeError, check_choices, choices, seed_problem, typed
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
+from rpa.core.sampling import LogprobsMode, TrainerLogprobs, sampling_field, settings_of
 from rpa.train.tasks import SYNTHETIC, TaskError, TaskSpec
 
 # The enumerated options: each a ``Literal`` type, checked once where values are coerced
@@ -114,7 +115,17 @@ class TrainConfig:
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
     beta: float = field(default=0.0, metadata={
         "help": "KL coefficient against the reference model (TRL's beta; 0: no reference model)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature of the rollouts (> 0; the trainer's recompute divides its logits by it, as TRL's)"})
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k")
+    logprobs: LogprobsMode = sampling_field("logprobs")
+    trainer_logprobs: TrainerLogprobs = field(default="full", metadata={
+        "help": "The trainer's logprob of a sampled token, in the loss and as PPO's old one: ``full`` (TRL's "
+                "recompute over the whole vocabulary) or ``renormalised`` (over the sampler's kept support, vLLM's "
+                "top-k/top-p rule applied to the trainer's own logits, the sampled token always in it: with "
+                "truncation on, its ratio to vLLM's processed logprob is then rounding only, not the kept mass). "
+                "Needs top_p < 1 or top_k > 0 and logprobs: processed. :data:`rpa.core.sampling.TRAINER_LOGPROBS`."})
     max_prompt_length: int = field(default=128, metadata={
         "help": "prompt tokens at most (longer prompts are refused when the task is built)"})
     max_completion_length: int = field(default=32, metadata={"help": "completion tokens at most"})
@@ -236,8 +247,11 @@ class TrainConfig:
             raise TrainConfigError(f"seed: {seed_problem(self.seed)}")
         if self.num_generations < 2:
             raise TrainConfigError("num_generations: GRPO needs at least 2 completions per prompt")
-        if not self.learning_rate > 0 or self.beta < 0 or not self.temperature > 0 or not self.is_cap > 1:
-            raise TrainConfigError("learning_rate > 0, beta >= 0, temperature > 0 and is_cap > 1 are required")
+        if not self.learning_rate > 0 or self.beta < 0 or not self.is_cap > 1:
+            raise TrainConfigError("learning_rate > 0, beta >= 0 and is_cap > 1 are required")
+        sampling_problem = self.sampling_problem()
+        if sampling_problem:
+            raise TrainConfigError(sampling_problem)
         if self.warm_start.steps < 0:
             raise TrainConfigError("warm_start.steps: must be >= 0")
         if self.logprob_chunk_tokens < 1 or self.vllm_context_slack < 0:
@@ -306,6 +320,36 @@ class TrainConfig:
         if self.task.name in SYNTHETIC and self.task.num_prompts < batch:
             raise TrainConfigError(f"task.num_prompts: {self.task.num_prompts} prompts cannot fill one generation of "
                                    f"{batch} (prompts_per_step x updates_per_generation); the run would train nothing")
+
+    @property
+    def sampling(self):
+        """The rollouts' :class:`~rpa.core.sampling.SamplingSettings` (temperature, top_p, top_k, logprobs)."""
+        return settings_of(self)
+
+    def sampling_problem(self) -> str | None:
+        """Why the sampling settings cannot train as configured, in one line (None if they can): a value out of
+        range, an option with no meaning here, or a loss biased by what the sampler's logprob leaves out."""
+        from rpa.core.sampling import SamplingSettings
+
+        problem = SamplingSettings.problem(self)  # the one check of the values, on this config's fields
+        if problem:
+            return problem
+        truncates = self.top_p < 1 or self.top_k > 0
+        if self.trainer_logprobs == "renormalised" and (not truncates or self.logprobs != "processed"):
+            return ("trainer_logprobs: renormalised renormalises over the tokens top_p/top_k keep, in vLLM's processed "
+                    "logprobs; it needs top_p < 1 or top_k > 0 and logprobs: processed")
+        if self.rollouts == "trainer" and (truncates or self.logprobs != "processed"):
+            return ("rollouts: trainer samples at the temperature alone and reports untruncated logprobs; top_p, top_k "
+                    "and logprobs: raw need the vLLM sampler")
+        in_loss = self.is_correction != "off" or self.old_logprobs == "sampler"
+        if in_loss and self.logprobs == "raw" and (self.temperature != 1 or truncates):
+            return ("logprobs: raw with vLLM's logprobs in the loss (is_correction or old_logprobs: sampler) biases the "
+                    "ratio by the temperature and truncation the raw logprob leaves out (TRL #4159); use logprobs: "
+                    "processed")
+        if in_loss and truncates and self.trainer_logprobs == "full":
+            return ("top_p/top_k with vLLM's logprobs in the loss (is_correction or old_logprobs: sampler) biases the "
+                    "ratio by the kept probability mass (TRL #6789); set trainer_logprobs: renormalised")
+        return None
 
     def micro_batching(self, world_size: int = 1) -> tuple[int, int]:
         """``(per_device_train_batch_size, gradient_accumulation_steps)`` of one optimizer step

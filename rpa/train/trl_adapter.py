@@ -36,8 +36,10 @@ from trl import GRPOTrainer
 from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
-from rpa.measure.metrics import mismatch_metrics
-from rpa.measure.scoring import sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row, trl_batch
+from rpa.measure.metrics import gap_split_metrics, mismatch_metrics
+from rpa.core.sampling import VLLM_LOGPROBS_MODE
+from rpa.measure.scoring import (Transforms, sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row,
+                                 trl_batch)
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
 from rpa.train.loss_scale import DynamicLossScale
 from rpa.train.sync_check import check_sync_result, sync_threshold
@@ -114,14 +116,15 @@ def colocated_llm_args(cfg: TrainConfig, engines: EnginePool | None = None, take
     """TRL 1.16 builds its colocated ``vllm.LLM`` with fixed arguments: no dtype (so vLLM's
     ``auto`` decides: FP32 checkpoints are downcast and FP16 falls back to BF16 where the
     platform prefers it) and vLLM's default compilation. While TRL builds the engine, the
-    ``LLM`` it calls gets the configuration's dtype and ``enforce_eager``, and comes from
+    ``LLM`` it calls gets the configuration's dtype, ``enforce_eager`` and ``logprobs_mode``, and comes from
     ``engines`` where one is kept (``taken`` gets True appended when it was taken over)."""
     import trl.generation.vllm_generation as generation
 
     stock = generation.LLM
 
     def build(**kwargs):
-        kwargs = {**kwargs, "dtype": cfg.numerics.dtype_name, "enforce_eager": cfg.vllm_enforce_eager}
+        kwargs = {**kwargs, "dtype": cfg.numerics.dtype_name, "enforce_eager": cfg.vllm_enforce_eager,
+                  "logprobs_mode": VLLM_LOGPROBS_MODE[cfg.logprobs]}  # TRL asks for processed; raw is vLLM's default
         if engines is None:
             return stock(**kwargs)
         llm, took_over = engines.get(stock, kwargs)
@@ -443,6 +446,9 @@ class RpaGRPOTrainer(GRPOTrainer):
             problems.append(f"vLLM's LM head runs {mc.head_dtype}, lm_head_fp32 asks for float32")
         if not want.lm_head_fp32 and want.precision != "fp32" and mc.head_dtype == torch.float32:
             problems.append("vLLM's LM head runs float32, but lm_head_fp32 is off")
+        if mc.logprobs_mode != VLLM_LOGPROBS_MODE[self.rpa_config.logprobs]:
+            problems.append(f"vLLM reports {mc.logprobs_mode}, logprobs: {self.rpa_config.logprobs} asks for "
+                            f"{VLLM_LOGPROBS_MODE[self.rpa_config.logprobs]}")
         if mc.enforce_eager != self.rpa_config.vllm_enforce_eager:
             problems.append(f"vLLM's enforce_eager is {mc.enforce_eager}, vllm_enforce_eager asks for "
                             f"{self.rpa_config.vllm_enforce_eager}")
@@ -485,16 +491,27 @@ class RpaGRPOTrainer(GRPOTrainer):
         if any(v is not None for v in multimodal.values()) or compute_aux_loss:
             raise NotImplementedError("rpa's GRPO runner handles text-only dense models")
         phase = "trainer_forward_for_loss" if torch.is_grad_enabled() else "trainer_logprobs_no_grad"
-        with self.rpa_timings.phase(phase), self.accelerator.autocast():
-            if self.rpa_config.trainer_batching == "per_row":  # each sequence alone, unpadded
-                logps, entropy = token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_keep,
-                                                                 self.temperature, compute_entropy,
-                                                                 self.rpa_config.logprob_chunk_tokens)
-            else:
-                logps, entropy = token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
-                                                         self.temperature, batch_size, compute_entropy,
-                                                         chunk_tokens=self.rpa_config.logprob_chunk_tokens)
+        with self.rpa_timings.phase(phase):
+            logps, entropy = self._rpa_score(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                             compute_entropy)
         return logps, entropy, None
+
+    def _rpa_score(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                   parts=False):
+        """The trainer's logprobs of the completion tokens, as the run config lays out and transforms them
+        (``trainer_batching``, ``trainer_logprobs``); with ``parts`` also each token's non-rounding part of
+        the gap to the sampler's report and whether it fell outside the kept set (:class:`Transforms`)."""
+        cfg = self.rpa_config
+        renormalise = cfg.trainer_logprobs == "renormalised"
+        transforms = Transforms(cfg.sampling, renormalise, parts) if renormalise or parts else None
+        with self.accelerator.autocast():
+            if cfg.trainer_batching == "per_row":  # each sequence alone, unpadded
+                return token_logps_and_entropy_per_row(model, input_ids, attention_mask, logits_to_keep,
+                                                       self.temperature, compute_entropy, cfg.logprob_chunk_tokens,
+                                                       transforms)
+            return token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep, self.temperature,
+                                           batch_size, compute_entropy, chunk_tokens=cfg.logprob_chunk_tokens,
+                                           transforms=transforms)
 
     def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
         """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
@@ -597,19 +614,28 @@ class RpaGRPOTrainer(GRPOTrainer):
             scheduled_evaluation(self, 0)
         if out.get("sampling_per_token_logps") is None:
             raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
-        trainer = out.get("old_per_token_logps")
-        if trainer is None:  # TRL skips it when no IS correction is on: compute it the same way
+        cfg = self.rpa_config
+        trainer, split = out.get("old_per_token_logps"), None
+        # the gap's non-rounding part is not 0 where the sampler truncates or reports raw logprobs at T != 1
+        transformed = cfg.sampling.truncates or (cfg.logprobs == "raw" and cfg.temperature != 1)
+        if trainer is None or transformed:  # TRL skips pi_old when no IS correction is on: computed the same way
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-            with torch.no_grad():
-                trainer, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, mask, out["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size)
-        local, bad = finish_rollout(out, trainer, old_logprobs=self.rpa_config.old_logprobs,
+            with torch.no_grad(), self.rpa_timings.phase("trainer_logprobs_no_grad"):
+                logps, _, split = self._rpa_score(self.model, ids, mask, out["completion_ids"].size(1),
+                                                  batch_size=self.args.per_device_train_batch_size, parts=True)
+            trainer = logps if trainer is None else trainer  # TRL's, where it made one: the same path, the same bits
+        local, bad = finish_rollout(out, trainer, old_logprobs=cfg.old_logprobs,
                                     epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                                     row_offset=self.accelerator.process_index * out["completion_mask"].size(0))
+        kept = out["completion_mask"].bool()
+        if split is None:  # the recompute is the trainer's logprob and nothing but rounding separates it from mu
+            split = torch.stack([trainer, torch.zeros_like(trainer), torch.zeros_like(trainer)], dim=-1)
+        local_split = tuple(split[..., k][kept].double().cpu().tolist() for k in range(3))
         # every rank's tokens: the metrics are over the step's completions, not one rank's share
-        parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        many = self.accelerator.num_processes > 1
+        parts = gather_object([local]) if many else [local]
+        splits = gather_object([local_split]) if many else [local_split]
         m = mismatch_metrics(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                              np.concatenate([p[2] for p in parts]))
         m["phantom_clip_rate"] = float(np.mean(np.concatenate([p[3] for p in parts])))
@@ -618,6 +644,10 @@ class RpaGRPOTrainer(GRPOTrainer):
         for key, value in m.items():
             if key != "sequences":
                 self._metrics[mode][f"mismatch/{key}"].append(value)
+        sampler = np.concatenate([p[1] for p in parts])
+        recompute, part, outside = (np.concatenate([s[k] for s in splits]) for k in range(3))
+        for key, value in gap_split_metrics(recompute, sampler, part, outside, cfg.logprobs).items():
+            self._metrics[mode][f"split/{key}"].append(value)
         self._metrics[mode]["sync/mean_abs_dlogp"].append(self.rpa_last_sync_gap)
         self._metrics[mode]["sync/over_tolerance"].append(float(self.rpa_sync_over_tolerance))
         return out
@@ -635,7 +665,8 @@ def grpo_args(cfg: TrainConfig, out: Path):
         output_dir=str(out), max_steps=cfg.steps, seed=cfg.seed, learning_rate=cfg.learning_rate, beta=cfg.beta,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulate,
         num_generations=cfg.num_generations,
-        temperature=cfg.temperature, max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0),  # TRL's "off" is 0, vLLM's -1 or 0
+        max_completion_length=cfg.max_completion_length,
         gradient_checkpointing=cfg.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=cfg.checkpoint_every, save_only_model=False, report_to=list(cfg.report_to) or "none",
         save_total_limit=cfg.save_total_limit,  # the newest N checkpoints; resume reads the newest
