@@ -50,6 +50,7 @@ report: "rules/report/workflow.rst"  # snakemake --report report.html: the table
 rule all:
     input:
         probe_tables(),
+        sampling_tables(),
         analysis_figures(),
         attribution_outputs(),
 

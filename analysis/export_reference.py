@@ -8,7 +8,8 @@
     python -m analysis.export_reference --results results/toys --out results/reference/cpu --what pipeline
 
 ``pipeline`` is the probe pipeline of ``make main``: each parity report, each probe's
-``summary.json`` and ``tokens.csv`` (restricted as below), each diagnosis' ``summary.json`` and
+``summary.json`` and ``tokens.csv`` (restricted as below), each probe cell at another sampling setting's
+``summary.json`` and ``split.csv`` (``probe-sampling/``), each diagnosis' ``summary.json`` and
 ``layers.csv``, each attribution's ``summary.json``, ``tokens.csv`` and ``ops.csv``, and its
 tables and figures.
 
@@ -53,7 +54,8 @@ TABLES = {"train": ("train.csv", "train.md"),
                     "study_sensitivity.tex", "probe.csv", "probe.md"),
           "search": tuple(f"search_{stage}.{ext}" for stage in ("pilot", "grid", "ablation", "lever")
                           for ext in ("csv", "md", "json")),
-          "pipeline": ("probe.csv", "probe.md", "diagnose.csv", "attribution.csv", "attribution.md",
+          "pipeline": ("probe.csv", "probe.md", "probe_sampling.csv", "probe_sampling.md", "diagnose.csv",
+                       "attribution.csv", "attribution.md",
                        "attribution_ops.csv")}
 FIGURES = {"train": ("train_curves",), "dose": ("dose_response",), "study": ("study_rewards", "study_accuracy", "study_mismatch_curves",
                                                  "study_heatmap", "mismatch"),
@@ -102,7 +104,7 @@ def copy_probe(src: Path, dst: Path, columns: tuple[str, ...] = TOKEN_COLUMNS) -
 
 def export_pipeline(results: Path, out: Path) -> int:
     """The probe pipeline's parity reports, probes and diagnoses (what its tables are made from)."""
-    for folder in ("parity", "probe", "diagnose", "attribution"):
+    for folder in ("parity", "probe", "probe-sampling", "diagnose", "attribution"):
         shutil.rmtree(out / folder, ignore_errors=True)  # no stale cells from an earlier export
     reports = sorted((results / "parity").glob("*.json"))
     for report in reports:
@@ -123,7 +125,13 @@ def export_pipeline(results: Path, out: Path) -> int:
         dst.mkdir(parents=True, exist_ok=True)
         for name in ("summary.json", "tokens.csv", "ops.csv"):
             shutil.copy2(attribution / name, dst / name)
-    return len(reports) + len(probes) + len(diagnoses) + len(attributions)
+    sampled = sorted(p.parent for p in (results / "probe-sampling").glob("*/*/*/summary.json"))
+    for cell in sampled:  # the gap beyond rounding: what its table reads
+        dst = out / cell.relative_to(results)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "split.csv"):
+            shutil.copy2(cell / name, dst / name)
+    return len(reports) + len(probes) + len(sampled) + len(diagnoses) + len(attributions)
 
 
 def check_one_cpu_type(results: Path, out: Path) -> None:

@@ -90,6 +90,20 @@ def paired_change(arm_tokens: pd.DataFrame, ref_tokens: pd.DataFrame, seed: int 
     return out
 
 
+def mean_interval(sums: np.ndarray, counts: np.ndarray, seed: int = 0) -> dict:
+    """A token mean over sequences (``sum(sums) / sum(counts)``, one entry per sequence) with its 95%
+    percentile interval from a bootstrap over sequences (:data:`BOOTSTRAP` resamples, fixed seed, as
+    :func:`paired_change`): ``{"value", "low", "high"}``."""
+    sums, counts = np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for start in range(0, BOOTSTRAP, BOOTSTRAP_CHUNK):
+        idx = rng.integers(0, len(sums), (min(BOOTSTRAP_CHUNK, BOOTSTRAP - start), len(sums)))
+        boots.append(sums[idx].sum(1) / counts[idx].sum(1))
+    lo, hi = np.percentile(np.concatenate(boots), [2.5, 97.5])
+    return {"value": float(sums.sum() / counts.sum()), "low": float(lo), "high": float(hi)}
+
+
 def seed_log_ratio(arm: pd.DataFrame, ref: pd.DataFrame, key: str) -> tuple[float, int]:
     """(mean of ``log(arm[key]) - log(ref[key])`` over the steps both logged with a positive,
     finite value, number of those steps); ``(nan, 0)`` where there are none. ``arm`` and ``ref``

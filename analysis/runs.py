@@ -285,6 +285,29 @@ def probe_results(results: Path) -> list[Measurement]:
     return _measurements(results, "probe")
 
 
+@dataclass(frozen=True)
+class SamplingProbe:
+    """One probe cell at another sampling setting (``results/probe-sampling/<model>/<setting>/<config>``):
+    its summary (with ``sampling_split``), read once, and its per-token split (:meth:`split`)."""
+
+    model: str
+    setting: str
+    config: str
+    dir: Path
+    summary: dict[str, Any] = field(repr=False)
+
+    def split(self):
+        """``split.csv``: each split token's logprobs and parts (:data:`rpa.measure.probe.SPLIT_COLUMNS`)."""
+        return read_tokens(self.dir / "split.csv")
+
+
+def sampling_probe_results(results: Path) -> list[SamplingProbe]:
+    """Every probe cell at another sampling setting, in the order of their folders."""
+    return [SamplingProbe(model=p.parents[2].name, setting=p.parent.parent.name, config=p.parent.name, dir=p.parent,
+                          summary=json.loads(p.read_text()))
+            for p in sorted(Path(results).glob("probe-sampling/*/*/*/summary.json"))]
+
+
 def probe_result(results: Path, model: str, config: str) -> Measurement | None:
     """The probe of ``model`` under configuration ``config``; None where it has not run."""
     path = probe_folder(results, model, config)

@@ -20,6 +20,20 @@ rule aggregate:
         "python -m analysis.aggregate --results {R} --out-dir {R}/tables --configs {params.configs} > {log} 2>&1"
 
 
+rule aggregate_sampling:
+    input:
+        sampling_summaries(),
+    output:
+        csv=report(f"{R}/tables/probe_sampling.csv", caption="report/probe_sampling.rst", category="Probe"),
+        md=f"{R}/tables/probe_sampling.md",
+    log:
+        f"{R}/logs/aggregate_sampling.log",
+    conda:
+        ENV
+    shell:
+        "python -m analysis.probe_sampling --results {R} --out-dir {R}/tables > {log} 2>&1"
+
+
 rule figures:
     input:
         probe=f"{R}/tables/probe.csv",

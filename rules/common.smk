@@ -5,7 +5,8 @@ import re
 from rpa.workflow.experiments import (GRID_SECTIONS, KINDS, MULTI_GRID_SECTIONS, ancient_start, entries, entry_of,
                                       grid_stage, manifest)
 from rpa.workflow.jobs import (attribution_job, diagnose_job, gguf_flags, model_configs, model_kind, model_location,
-                               parity_job, probe_job, prompts_flags, prompts_task, tiny_flags)
+                               parity_job, probe_job, prompts_flags, prompts_task, sampling_cells, sampling_probe_job,
+                               tiny_flags)
 from rpa.workflow.pipeline import PipelineConfigError
 from rpa.workflow.resources import gpu_shortfall, study_priorities
 from rpa.workflow.resources import group_resources as resources_of_group
@@ -104,6 +105,18 @@ def probe_cells():
 
 def probe_summaries(wildcards=None):
     return [f"{R}/probe/{m}/{c}/summary.json" for m, c in probe_cells()]
+
+
+SAMPLING_CELLS = sampling_cells(config)  # (model, setting label, configuration) at other sampling settings
+
+
+def sampling_summaries(wildcards=None):
+    return [f"{R}/probe-sampling/{m}/{s}/{c}/summary.json" for m, s, c in SAMPLING_CELLS]
+
+
+def sampling_tables(wildcards=None):
+    """The gap beyond rounding's table, where some model probes other sampling settings."""
+    return [f"{R}/tables/probe_sampling.csv", f"{R}/tables/probe_sampling.md"] if SAMPLING_CELLS else []
 
 
 def figure_tokens(wildcards=None):

@@ -116,3 +116,58 @@ def test_positions_only():
     assert positions_only(STOCK, {**STOCK, "trainer_positions": "stock"})
     assert not positions_only(STOCK, {**STOCK, "trainer_positions": "stock", "regions": "rope"})
     assert not positions_only(STOCK, dict(STOCK)) and not positions_only(None, STOCK)
+
+
+def write_sampling_cell(results, setting: str, config: str, rounding: np.ndarray, truncation: np.ndarray,
+                        sampler: bool, outside: int = 0) -> None:
+    """A probe cell at a sampling setting (processed logprobs): sequence ``i``'s tokens have the given |rounding|
+    and log kept mass; ``outside`` extra tokens of sequence 0 lie outside the sampler's kept set."""
+    from rpa.core.sampling import SamplingSettings, SamplerToken, gap_split
+
+    d = results / "probe-sampling" / "m" / setting / config
+    d.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seq, (r, t) in enumerate(zip(rounding, truncation)):
+        for pos in range(10):
+            scaled = -1.0 - 0.1 * pos
+            sign = 1 if pos % 2 else -1
+            token = SamplerToken(raw=scaled - 0.2, scaled=scaled, processed=scaled - t)
+            rows.append({"seq": seq, "position": pos, "token_id": 5, "logp_recompute": scaled + sign * r,
+                         "logp_sampler_raw": token.raw, "logp_sampler_scaled": token.scaled,
+                         "logp_sampler_processed": token.processed,
+                         **gap_split(scaled + sign * r, token, "processed")})
+    rows += [{**rows[0], "position": 10 + i, "logp_sampler_processed": -math.inf} for i in range(outside)]
+    pd.DataFrame(rows).to_csv(d / "split.csv", index=False)
+    settings = SamplingSettings(top_p=0.9)
+    summary = {"config": {"completions": None if sampler else "x/completions.jsonl"},
+               "sampling_split": {"settings": {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "logprobs": "processed"},
+                                  "label": settings.label, "sequences": len(rounding), "tokens": len(rows),
+                                  "outside_kept": outside}}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_sampling_table_splits_the_gap_with_intervals_and_pairs_the_rounding_change(tmp_path):
+    """analysis.probe_sampling: each part is the token mean of |part| over the split's sequences (tokens outside the
+    kept set left out) with a bootstrap interval over sequences that holds it; the rounding part's change vs the
+    sampler's configuration is paired on the same tokens; the sentence names the larger source."""
+    from analysis import probe_sampling
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.02, 0.04, 8)
+    truncation = rng.uniform(-0.08, -0.04, 8)  # log kept mass <= 0: larger than rounding here
+    write_sampling_cell(tmp_path, "T1-p0.9", "none", base, truncation, sampler=True, outside=3)
+    write_sampling_cell(tmp_path, "T1-p0.9", "all", base * 0.5, truncation, sampler=False, outside=3)
+    df = probe_sampling.sampling_table(tmp_path)
+    assert list(df.config) == ["none", "all"] and list(df.sampler) == [True, False]
+    none, all_ = df.iloc[0], df.iloc[1]
+    assert none.rounding_mean_abs_dlogp == pytest.approx(base.mean())
+    assert none.truncation_mean_abs_dlogp == pytest.approx(-truncation.mean())
+    assert none.rounding_mean_abs_dlogp_low < none.rounding_mean_abs_dlogp < none.rounding_mean_abs_dlogp_high
+    assert math.isnan(none.temperature_mean_abs_dlogp) and none.temperature == 1.0
+    assert none.outside_kept == 3 and none.tokens == 83
+    assert all_.rounding_change == pytest.approx(-0.5) and all_.rounding_change_low == pytest.approx(-0.5)
+    assert math.isnan(none.rounding_change)
+    md = probe_sampling.markdown(df)
+    assert "T1-p0.9: truncation the larger" in md and "rounding vs sampler's config" in md
+    write_sampling_cell(tmp_path, "T1-p0.9", "none", base, truncation * 0.1, sampler=True)
+    assert "T1-p0.9: rounding the larger" in probe_sampling.markdown(probe_sampling.sampling_table(tmp_path))

@@ -86,6 +86,39 @@ def test_dry_run_plans_the_full_grid(tmp_path):
     assert counts["attribute"] == len(DEFAULT["attribution"]["models"]) * len(DEFAULT["attribution"]["configs"])
     assert counts["gguf_model"] == 1 and counts["task_prompts"] == 1
     assert counts["parity"] == n_models and counts["diagnose"] == n_models * len(DEFAULT["diagnose"]["configs"])
+    sampling = DEFAULT["models"]["smollm2"]["probe"]["sampling"]  # the gap beyond rounding: each setting sampled anew
+    assert counts["probe_sampling_sampler"] == len(sampling["settings"])
+    assert counts["probe_sampling"] == len(sampling["settings"]) * (len(sampling["configs"]) - 1)
+    assert counts["aggregate_sampling"] == 1
+
+
+def test_a_sampling_cells_job_is_the_models_probe_at_its_settings_with_the_split():
+    from rpa.workflow.jobs import probe_job, sampling_cells, sampling_probe_job
+
+    cells = sampling_cells(DEFAULT)
+    assert ("smollm2", "T0.7-p0.9", "all") in cells and ("smollm2", "T1-p1", "none") in cells and len(cells) == 8
+    job = sampling_probe_job(DEFAULT, "models/smollm2", "all", "T0.7-p0.9", "c.jsonl", "cpu", name="smollm2")
+    plain = probe_job(DEFAULT, "models/smollm2", "all", "c.jsonl", "cpu", name="smollm2")
+    assert job == {**plain, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "logprobs": "processed",
+                   "split_sequences": 8}
+
+
+@pytest.mark.parametrize("sampling, needle", [
+    ({"settings": [{"top_p": 1.5}], "configs": ["none"], "split_sequences": 2},
+     "models.smollm2.probe: sampling: settings[0]: top_p must be in (0, 1], got 1.5"),
+    ({"settings": [{"top_p": 0.9}, {"top_p": 0.9, "top_k": -1}], "configs": ["none"], "split_sequences": 2},
+     "models.smollm2.probe: sampling: settings: T1-p0.9 is given twice"),
+    ({"settings": [{"top_p": 0.9}], "configs": ["all"], "split_sequences": 2},
+     "models.smollm2.probe: sampling: configs: must include the sampler 'none'"),
+    ({"settings": [{"top_p": 0.9}], "configs": ["none", "alll"], "split_sequences": 2},
+     "models.smollm2.probe: sampling: configs: 'alll' is not a name in probe.configs"),
+])
+def test_bad_sampling_cells_are_refused_naming_the_entry(sampling, needle):
+    bad = copy.deepcopy(DEFAULT)
+    bad["models"]["smollm2"]["probe"]["sampling"] = sampling
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(bad)
+    assert needle in str(err.value)
 
 
 @pytest.mark.cli

@@ -99,9 +99,11 @@ class SamplingSettings:
 
     @property
     def label(self) -> str:
-        """``T0.7-p0.9`` / ``T1-p1`` (top-k only where on): a row's or a directory's name."""
+        """``T0.7-p0.9`` / ``T1-p1`` (top-k only where on, ``-raw`` for raw logprobs): a row's or a directory's
+        name."""
         fmt = lambda v: f"{v:g}"  # noqa: E731
-        return f"T{fmt(self.temperature)}-p{fmt(self.top_p)}" + (f"-k{self.top_k}" if self.top_k > 0 else "")
+        return (f"T{fmt(self.temperature)}-p{fmt(self.top_p)}" + (f"-k{self.top_k}" if self.top_k > 0 else "")
+                + ("-raw" if self.logprobs == "raw" else ""))
 
 
 def sampling_field(name: str):

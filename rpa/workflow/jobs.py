@@ -47,7 +47,36 @@ def model_probe(config: dict[str, Any], model: str | None) -> dict[str, Any]:
     own = dict(((config["models"].get(model) or {}).get("probe") or {}) if model else {})
     own.pop("task", None)  # its prompts reach the probe as a prompts file (:func:`prompts_task`)
     own.pop("configs", None)  # which configurations, not an option of each (:func:`model_configs`)
+    own.pop("sampling", None)  # other cells, with their own settings (:func:`sampling_settings`)
     return {**config["probe"], **own}
+
+
+def sampling_settings(config: dict[str, Any], model: str) -> dict[str, Any]:
+    """``model``'s probe cells at other sampling settings (``models.<name>.probe.sampling``): label ->
+    :class:`~rpa.core.sampling.SamplingSettings`, in the order written; empty where it has none."""
+    from rpa.core.sampling import SamplingSettings
+
+    sampling = (config["models"][model].get("probe") or {}).get("sampling") or {}
+    settings = [SamplingSettings(**s) for s in sampling.get("settings") or ()]
+    return {s.label: s for s in settings}
+
+
+def sampling_cells(config: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(model, setting label, configuration) of every probe cell at another sampling setting."""
+    return [(m, label, c) for m in config["models"] for label in sampling_settings(config, m)
+            for c in config["models"][m]["probe"]["sampling"]["configs"]]
+
+
+def sampling_probe_job(config: dict[str, Any], model: str, numerics: str, setting: str, completions: str | None,
+                       device: str, name: str, prompts_file: str | None = None) -> dict:
+    """The ``rpa probe --config`` file of one cell at sampling setting ``setting`` (a label of
+    :func:`sampling_settings`): the model's probe cell with the setting's fields and the split."""
+    import dataclasses
+
+    settings = sampling_settings(config, name)[setting]
+    job = probe_job(config, model, numerics, completions, device, name=name, prompts_file=prompts_file)
+    split = config["models"][name]["probe"]["sampling"]["split_sequences"]
+    return {**job, **dataclasses.asdict(settings), "split_sequences": split}
 
 
 def prompts_task(config: dict[str, Any], model: str) -> dict[str, Any] | None:

@@ -133,6 +133,28 @@ def _model_probe_problems(config: dict[str, Any], name: str) -> list[str]:
                 TaskSpec(**task)
             except (TypeError, UserError) as err:
                 problems.append(f"task: {err}")
+    return problems + [f"sampling: {p}" for p in _sampling_problems(config, name)]
+
+
+def _sampling_problems(config: dict[str, Any], name: str) -> list[str]:
+    """What is wrong with ``models.<name>.probe.sampling`` (the probe cells at other sampling settings)."""
+    from rpa.core.errors import UserError
+    from rpa.core.sampling import SamplingSettings
+
+    sampling = (config["models"][name].get("probe") or {}).get("sampling")
+    if not sampling:
+        return []
+    problems, labels = [], []
+    for i, fields_ in enumerate(sampling["settings"]):
+        try:
+            labels.append(SamplingSettings(**fields_).label)
+        except (TypeError, UserError) as err:
+            problems.append(f"settings[{i}]: {err}")
+    problems += [f"settings: {label} is given twice" for label in sorted({x for x in labels if labels.count(x) > 1})]
+    configs, sampler = sampling["configs"], config["probe"]["sampler"]
+    problems += [f"configs: {c!r} is not a name in probe.configs" for c in configs if c not in config["probe"]["configs"]]
+    if sampler not in configs:
+        problems.append(f"configs: must include the sampler {sampler!r} (probe.sampler samples at each setting)")
     return problems
 
 
