@@ -143,6 +143,17 @@ def test_the_documented_grids_entry_is_a_valid_config(tmp_path):
     assert not [c for c in cells if c.labels == {"regions": "all", "lr": "lo"}]
 
 
+def test_the_documented_preset_entry_is_a_valid_config(tmp_path):
+    """docs/pipeline.md's ``kind: dose`` entry, as written, passes the schema and the config check: 3 doses x 2
+    corrections with the trainer's old logprobs x 3 seeds, from one warm start in the entry's folder."""
+    text = (REPO / "docs/pipeline.md").read_text()
+    block = text[text.index("```yaml\ngrids:\n  control-b:") + len("```yaml\n"):]
+    entry = yaml.safe_load(block[:block.index("```")])["grids"]
+    cells = check_config(_with_grids(tmp_path, entry)).cells["grids"]
+    assert len(cells) == 18 and cells[0].name == "control-b/bf16-none/off-trainer/seed0"
+    assert {c.init.dir for c in cells} == {f"{tmp_path}/r/grids/control-b/init"}
+
+
 @pytest.mark.engine
 def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
     """The README's recipe "add an arm": the cheapest grids: entry (one arm, tiny model, 2 steps) is run,
