@@ -1,7 +1,8 @@
 """The positive control's dose-response: collapse, reward and accuracy vs the *measured*
 trainer-sampler mismatch, per importance-sampling correction and old-logprob setting.
 
-Reads ``RESULTS/dose/manifest.json`` and the run of each cell it lists
+Reads ``RESULTS/dose/manifest.json`` (the ``dose:`` section's; ``--manifest``: another positive control's,
+a ``grids:`` entry's of kind dose, ``RESULTS/grids/<entry>/manifest.json``) and the run of each cell it lists
 (``dose/<arm>/<correction>-<old>/seed<N>``, :func:`analysis.runs.runs_table`). Verdicts are recomputed from ``metrics.jsonl`` with the thresholds of each
 run's config (:func:`rpa.train.collapse.run_verdict`), so the tables follow the current
 definition: ``stable``, ``unconfirmed`` (a drop the run ended too soon to judge; counted in its
@@ -59,12 +60,14 @@ from rpa.core.jsonfiles import atomic_path, write_text
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", required=True, type=Path)
+    parser.add_argument("--manifest", type=Path, default=None,
+                        help="the grid's manifest (default: RESULTS/dose/manifest.json, the dose: section's)")
     parser.add_argument("--out-dir", required=True, type=Path)
     parser.add_argument("--figure", required=True, type=Path)
     parser.add_argument("--mismatch-steps", type=int, default=MISMATCH_STEPS,
                         help=f"early window: the dose is the mean mismatch over steps 1..K (default {MISMATCH_STEPS})")
     args = parser.parse_args()
-    runs = dose_rows(args.results, args.mismatch_steps)
+    runs = dose_rows(args.results, args.mismatch_steps, args.manifest)
     per_group, sens = groups(runs), sensitivity_table(runs)
     th, anchors, sens_th = thresholds(runs), anchor_positions(runs), sensitivity_thresholds(runs)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def main() -> None:
     with atomic_path(args.out_dir / "dose_sensitivity.csv") as tmp:
         sens.to_csv(tmp, index=False)
     write_text(args.out_dir / "dose.md", markdown(runs, per_group, th, anchors, sens, sens_th,
-                                                   collapse_rule(args.results)))
+                                                   collapse_rule(args.results, args.manifest)))
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     figure(per_group, anchors, args.figure, runs, th)
     print("\n".join(statement(th, anchors)))

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.runs import SENSITIVITY_LABELS, SPIKE_COLUMNS, flags, grid_table, sensitivity_column
+from analysis.runs import (SENSITIVITY_LABELS, SPIKE_COLUMNS, RunsTable, flags, grid_table, runs_table,
+                           sensitivity_column)
 from rpa.train.collapse import RULE_VERSION, CollapseThresholds, rule_text
 
 MISMATCH_STEPS = 4
@@ -64,15 +65,21 @@ def window_means(metrics: list[dict], k: int, before_step: int | None = None) ->
     return out
 
 
-def dose_rows(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFrame:
-    """One row per cell of the positive control (``results/dose/manifest.json``, read by
-    :func:`analysis.runs.runs_table`; a cell that never ran: status ``missing``), in the order of the
-    cells' folders, columns :data:`RUN_COLUMNS`. The arm is the cell's label; the IS correction, the
-    old-logprob source and the dose what the run's config ran (the cell's labels and the manifest's
-    ``doses`` for a cell without a config)."""
+def dose_table(results: Path, manifest: Path | None = None) -> RunsTable:
+    """The runs of a positive control (:func:`analysis.runs.runs_table`) whose manifest is ``manifest``: the
+    ``dose:`` section's (``results/dose/manifest.json``, the default) or a ``grids:`` entry's of kind dose
+    (``results/grids/<entry>/manifest.json``)."""
+    return grid_table(results, "dose") if manifest is None else runs_table(Path(manifest), results)
+
+
+def dose_rows(results: Path, mismatch_steps: int = MISMATCH_STEPS, manifest: Path | None = None) -> pd.DataFrame:
+    """One row per cell of the positive control (``manifest``: :func:`dose_table`; a cell that never ran:
+    status ``missing``), in the order of the cells' folders, columns :data:`RUN_COLUMNS`. The arm is the
+    cell's label; the IS correction, the old-logprob source and the dose what the run's config ran (the
+    cell's labels and the manifest's ``doses`` for a cell without a config)."""
     if mismatch_steps < 1:
         raise ValueError(f"mismatch_steps must be >= 1, got {mismatch_steps}")
-    table = grid_table(results, "dose")
+    table = dose_table(results, manifest)
     doses = table.manifest.get("doses") or {}
     rows = []
     for entry in sorted(table, key=lambda e: Path(e.cell["cell"])):  # the table's order: its runs' folders
@@ -99,7 +106,7 @@ def dose_rows(results: Path, mismatch_steps: int = MISMATCH_STEPS) -> pd.DataFra
             row.update(final_eval_accuracy=run.evals[-1]["eval/accuracy"], final_eval_reward=run.evals[-1]["eval/reward"])
         rows.append(row)
     if not rows:
-        raise SystemExit(f"no dose runs under {results}/dose")
+        raise SystemExit(f"no dose runs in {manifest or Path(results) / 'dose/manifest.json'}")
     out = pd.DataFrame(rows).reindex(columns=list(RUN_COLUMNS))
     for col in INT_COLUMNS:
         out[col] = pd.to_numeric(out[col]).astype("Int64")
@@ -346,9 +353,10 @@ def listed(sens: pd.DataFrame) -> pd.Series:
     return counts.apply(pd.to_numeric, errors="coerce").fillna(0).sum(axis=1) > 0
 
 
-def collapse_rule(results: Path) -> str:
-    """The collapse rule in words, written from the runs' thresholds (all runs of the grid share them)."""
-    found = {json.dumps(e.run.config["collapse"], sort_keys=True) for e in grid_table(results, "dose")
+def collapse_rule(results: Path, manifest: Path | None = None) -> str:
+    """The collapse rule in words, written from the runs' thresholds (all runs of the grid share them;
+    ``manifest``: :func:`dose_table`)."""
+    found = {json.dumps(e.run.config["collapse"], sort_keys=True) for e in dose_table(results, manifest)
              if e.run.config is not None}
     if len(found) != 1:
         return f"The runs' collapse thresholds differ ({len(found)} settings; see each config.json)."

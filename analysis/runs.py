@@ -202,6 +202,12 @@ def run_row(cell: dict[str, Any], run: Run) -> dict[str, Any]:
     return row
 
 
+def section_of(manifest: Path, results: Path) -> str:
+    """The folder under ``results`` a grid's cells are under (``dose``, ``study``, ``grids``, ...): the first folder
+    of its manifest's path under ``results``."""
+    return Path(manifest).resolve().relative_to(Path(results).resolve()).parts[0]
+
+
 def runs_table(manifest: Path | dict[str, Any], results: Path, section: str | None = None) -> RunsTable:
     """Every cell a grid's manifest expects (a path, or the manifest read: then ``section`` names the folder
     its cells are under, ``train``, ``dose``, ``study``, ``search`` or ``grids``), each run read once
@@ -210,7 +216,7 @@ def runs_table(manifest: Path | dict[str, Any], results: Path, section: str | No
     results = Path(results)
     if not isinstance(manifest, dict):
         path = Path(manifest)
-        section = section or path.resolve().relative_to(results.resolve()).parts[0]
+        section = section or section_of(path, results)
         manifest = read_manifest(path)
     if section is None:
         raise ValueError("runs_table: a manifest given as read needs its section")

@@ -1,5 +1,7 @@
 """The study across sizes: collapse and mismatch tables, reward / accuracy / mismatch curves
-and a collapse heatmap, from ``RESULTS/study/manifest.json`` and the run directories it lists.
+and a collapse heatmap, from ``RESULTS/study/manifest.json`` (the ``study:`` section's; ``--manifest``: a
+``grids:`` entry's of kind study, written with ``--out-dir`` / ``--figure-dir`` under ``RESULTS/tables/grids/<entry>``
+and ``RESULTS/figures/grids/<entry>``) and the run directories it lists.
 
 Every expected cell appears: a run without a summary is ``missing``, one that ended in an
 error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
@@ -53,7 +55,7 @@ import pandas as pd
 
 from analysis.latex import booktabs
 from analysis.paired import fmt_change
-from analysis.runs import MANIFEST, read_manifest
+from analysis.runs import MANIFEST, read_manifest, section_of
 from analysis.study_figures import (arm_colors, arm_families, arm_styles, heatmap, mismatch_figure,  # noqa: F401
                                     reward_figure)
 from analysis.study_stats import collapse_table, mismatch_table, sensitivity_table, study_rows
@@ -174,12 +176,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", required=True, type=Path)
     parser.add_argument("--format", default="png")
+    parser.add_argument("--manifest", type=Path, default=None,
+                        help="the study's manifest (default: RESULTS/study/manifest.json, the study: section's)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where the tables go (default: RESULTS/tables)")
+    parser.add_argument("--figure-dir", type=Path, default=None, help="where the figures go (default: RESULTS/figures)")
     args = parser.parse_args()
-    manifest = read_manifest(args.results / "study" / MANIFEST)
-    tables, fig_dir = args.results / "tables", args.results / "figures"
+    path = args.manifest or args.results / "study" / MANIFEST
+    manifest = read_manifest(path)
+    tables, fig_dir = args.out_dir or args.results / "tables", args.figure_dir or args.results / "figures"
     tables.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
-    runs, curves, evals = study_rows(args.results, manifest)
+    runs, curves, evals = study_rows(args.results, manifest, section_of(path, args.results))
     label = manifest["label"]
     ref = manifest["reference_arm"]
     collapse = collapse_table(runs, manifest)

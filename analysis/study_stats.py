@@ -16,13 +16,15 @@ from analysis.runs import flags, probe_folder, probe_result, probe_tokens, runs_
 from rpa.train.collapse import RULE_VERSION, CollapseThresholds, sensitivity_settings
 
 
-def study_rows(results: Path, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def study_rows(results: Path, manifest: dict,
+               section: str = "study") -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(one row per expected cell, per-step metrics of finished runs, eval records): each cell's row of
-    :func:`analysis.runs.runs_table` with the study's own columns: ``error``, ``sensitivity`` (the
-    verdict under each variation, by label), ``persistence`` (the run's window), the run's ``numerics``
-    and its in-training mismatch means."""
+    :func:`analysis.runs.runs_table` (its runs under ``results/<section>``: ``study``, or ``grids`` for a
+    ``grids:`` entry of kind study) with the study's own columns: ``error``, ``sensitivity`` (the verdict under
+    each variation, by label), ``persistence`` (the run's window), the run's ``numerics`` and its in-training
+    mismatch means."""
     rows, curves, evals = [], [], []
-    for entry in runs_table(manifest, results, "study"):
+    for entry in runs_table(manifest, results, section):
         run, c = entry.run, entry.cell
         row = dict(entry.row)
         if run.summary is not None:

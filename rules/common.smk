@@ -2,8 +2,10 @@
 
 import re
 
-from rpa.workflow.experiments import (GRID_SECTIONS, KINDS, MULTI_GRID_SECTIONS, ancient_start, entries, entry_of,
-                                      grid_stage, manifest)
+from rpa.workflow.experiments import (GRID_SECTIONS, KINDS, MULTI_GRID_SECTIONS, PRESETS, ancient_start, entries,
+                                      entry_kind, entry_of, entry_outputs, entry_paths, grid_stage, manifest,
+                                      written_entries)
+from rpa.workflow.experiments import kind_outputs as outputs_of_entry
 from rpa.workflow.jobs import (attribution_job, diagnose_job, gguf_flags, model_configs, model_kind, model_location,
                                parity_job, probe_job, prompts_flags, prompts_task, sampling_cells, sampling_probe_job,
                                tiny_flags)

@@ -4,8 +4,9 @@
 # runs any shared warm start, one runs any process group (`<kind>/<group>.json`, its record:
 # rpa.workflow.runs), one writes any entry's manifest (`<kind>/[<entry>/]manifest.json`, docs/pipeline.md
 # #manifests); per kind one aggregate rule (its analysis: tables and figures, each a report() output) and its
-# target (train_all, dose_response, study, collapse_<stage>, grids). The cells come from the Snakefile's
-# check_config as CELLS, their process groups as GRID_GROUPS (rules/common.smk).
+# target (train_all, dose_response, study, collapse_<stage>, grids), and per preset kind (dose, study) one more
+# over the `grids:` entries of that kind (`kind: dose`: tables/grids/<entry>/dose.csv, ...). The cells come
+# from the Snakefile's check_config as CELLS, their process groups as GRID_GROUPS (rules/common.smk).
 
 # every cell by its directory under the results: `train/...`, `dose/...`, `study/...`, `search/...`,
 # `grids/...`
@@ -25,18 +26,22 @@ def _one_of(names):
 
 
 def kind_outputs(kind, entry=None):
-    """The tables and figures of an entry of ``kind`` (its aggregate rule's outputs) by name."""
-    return {name: f"{R}/{path}".replace("{format}", FIGURES["format"]).replace("{entry}", entry or "")
-            for name, path in KINDS[kind].outputs.items()}
+    """The tables and figures of an entry of section ``kind`` (its aggregate rule's outputs) by name."""
+    return {name: f"{R}/{path}".replace("{format}", FIGURES["format"])
+            for name, path in outputs_of_entry(config, kind, entry).items()}
 
 
-def aggregate_command(kind, wildcards, output):
-    """The analysis command of one aggregate job of ``kind`` (``Kind.analysis`` with its placeholders filled)."""
+def aggregate_command(kind, section, wildcards, output):
+    """The analysis command of one aggregate job of ``kind`` over an entry of ``section`` (``Kind.analysis``
+    with its placeholders filled; a `grids:` entry of a preset kind: pointed at the entry by ``Kind.entry_args``)."""
     from types import SimpleNamespace
 
-    log = f"{R}/logs/{KINDS[kind].log}".replace("{entry}", getattr(wildcards, "entry", "") or "")
-    return KINDS[kind].analysis.format(params=SimpleNamespace(results=R, format=FIGURES["format"]), output=output,
-                                       wildcards=wildcards, log=log)
+    entry = getattr(wildcards, "entry", "") or ""
+    log = f"{R}/logs/{KINDS[section].log}".replace("{entry}", entry)
+    paths = entry_paths(R, entry) if kind != section else {"tables": f"{R}/tables"}
+    scope = KINDS[kind].entry_args.format(**paths) if kind != section else ""
+    params = SimpleNamespace(results=R, format=FIGURES["format"], tables=paths["tables"], scope=scope)
+    return KINDS[kind].analysis.format(params=params, output=output, wildcards=wildcards, log=log)
 
 
 def study_outputs(wildcards=None):
@@ -66,12 +71,25 @@ rule manifest:
         WRITE_TEXT
 
 
-for _kind in KINDS.values():
-    _multi = _kind.name in MULTI_GRID_SECTIONS
-    _names = [name for name in entries(config, _kind.name)] if _multi else []
-    _outputs = {name: f"{R}/{path}".replace("{format}", FIGURES["format"])
-                for name, path in _kind.outputs.items()}
-    if _multi:  # the entry's name a wildcard, constrained to the config's entries
+def aggregates():
+    """Each aggregate rule: (its name, the kind whose analysis it runs, the section whose entries it tables,
+    their names (None: the section's one entry), its outputs by name under the results): one per kind over
+    its own section (a `grids:` section: its plain entries), one per preset kind over the `grids:` entries of
+    that kind."""
+    for kind in KINDS.values():
+        names = None
+        if kind.name in MULTI_GRID_SECTIONS:
+            names = [n for n, e in written_entries(config, kind.name).items() if entry_kind(kind.name, e) == kind.name]
+        yield f"{kind.name}_aggregate", kind, kind.name, names, kind.outputs
+    for name in PRESETS:
+        names = [n for n, e in written_entries(config, "grids").items() if entry_kind("grids", e) == name]
+        yield f"grids_{name}_aggregate", KINDS[name], "grids", names, entry_outputs(name)
+
+
+for _rule, _kind, _section, _names, _outputs in aggregates():
+    _multi = _names is not None
+    _outputs = {name: f"{R}/{path}".replace("{format}", FIGURES["format"]) for name, path in _outputs.items()}
+    if _multi:  # the entry's name a wildcard, constrained to the section's entries of this kind
         _first = next(iter(_outputs))
         _outputs[_first] = _outputs[_first].replace("{entry}", f"{{entry,{_one_of(_names)}}}", 1)
     _outputs = {name: report(path, caption=f"report/{_kind.name}.rst", category=_kind.category,
@@ -80,28 +98,32 @@ for _kind in KINDS.values():
 
     rule:
         name:
-            f"{_kind.name}_aggregate"
+            _rule
         input:
-            runs=lambda wc, kind=_kind.name: grid_records(kind, getattr(wc, "entry", None)),
+            runs=lambda wc, section=_section: grid_records(section, getattr(wc, "entry", None)),
             # (none where the config has no such section: the committed cpu reference's GRPO and dose tables are
             # made under experiments/toys.yaml, from its committed runs)
-            manifest=f"{R}/{_kind.name}/{{entry}}/manifest.json" if _multi else
-            [f"{R}/{_kind.name}/manifest.json"] if CELLS[_kind.name] else [],
+            manifest=f"{R}/{_section}/{{entry}}/manifest.json" if _multi else
+            [f"{R}/{_section}/manifest.json"] if CELLS[_section] else [],
             more=[f"{R}/{path}" for path in _kind.inputs],
         output:
             **_outputs,
         params:
             # the kind's command line, made per job: a directive that names the loop's `_kind` would read its last
             # value when the job runs (Snakemake evaluates `shell:` then, in this file's namespace)
-            command=lambda wc, output, kind=_kind.name: aggregate_command(kind, wc, output),
+            command=lambda wc, output, kind=_kind.name, section=_section: aggregate_command(kind, section, wc, output),
         log:
-            f"{R}/logs/{_kind.log}",
+            f"{R}/logs/{KINDS[_section].log}",
         conda:
             ENV
         shell:
             "{params.command}"
 
-    # the kind's targets: all its tables and figures (a search stage's each: collapse_<stage>)
+
+# each kind's targets: all its tables and figures (a search stage's each: collapse_<stage>; `grids`: every entry's,
+# a preset kind's included)
+for _kind in KINDS.values():
+    _names = list(written_entries(config, _kind.name)) if _kind.name in MULTI_GRID_SECTIONS else []
     if "{entry}" in _kind.target:
         for _name in _kind.target_entries:
 
@@ -117,7 +139,7 @@ for _kind in KINDS.values():
             name:
                 _kind.target
             input:
-                [f for name in (_names if _multi else ([None] if CELLS[_kind.name] else []))
+                [f for name in (_names if _kind.name in MULTI_GRID_SECTIONS else ([None] if CELLS[_kind.name] else []))
                  for f in kind_outputs(_kind.name, name).values()],
 
 

@@ -4,6 +4,9 @@ rule file and tabled by analysis.grid_summary."""
 
 import copy
 import json
+import re
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -140,6 +143,17 @@ def test_the_documented_grids_entry_is_a_valid_config(tmp_path):
     assert not [c for c in cells if c.labels == {"regions": "all", "lr": "lo"}]
 
 
+def test_the_documented_preset_entry_is_a_valid_config(tmp_path):
+    """docs/pipeline.md's ``kind: dose`` entry, as written, passes the schema and the config check: 3 doses x 2
+    corrections with the trainer's old logprobs x 3 seeds, from one warm start in the entry's folder."""
+    text = (REPO / "docs/pipeline.md").read_text()
+    block = text[text.index("```yaml\ngrids:\n  control-b:") + len("```yaml\n"):]
+    entry = yaml.safe_load(block[:block.index("```")])["grids"]
+    cells = check_config(_with_grids(tmp_path, entry)).cells["grids"]
+    assert len(cells) == 18 and cells[0].name == "control-b/bf16-none/off-trainer/seed0"
+    assert {c.init.dir for c in cells} == {f"{tmp_path}/r/grids/control-b/init"}
+
+
 @pytest.mark.engine
 def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
     """The README's recipe "add an arm": the cheapest grids: entry (one arm, tiny model, 2 steps) is run,
@@ -165,3 +179,194 @@ def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
     manifest = json.loads((r / "grids/arms/manifest.json").read_text())
     assert manifest["axes"] == {"lr": ["hi", "lo"]}
     assert [c["cell"] for c in manifest["cells"]] == ["arms/hi/seed0", "arms/lo/seed0"]
+
+
+# ---------------------------------------------------------------- grids: entries of a preset kind (dose, study)
+
+PRESET_CONFIGS = {"dose": "config.yaml", "study": "study-cpu.yaml"}
+"""A committed config with the preset's section, and the committed raw runs the section made."""
+
+
+def _as_entry(kind, name="e", results=None, **changes):
+    """(the committed config with its ``kind`` section, the same config with that section moved into ``grids:``
+    as the entry ``name`` of that kind), both validated as the Snakefile does (the schema's defaults)."""
+    from snakemake.utils import validate
+
+    section = yaml.safe_load((REPO / "experiments" / PRESET_CONFIGS[kind]).read_text())
+    section.pop("train", None)
+    section[kind].update(changes)
+    if results:
+        section["results"] = str(results)
+    entry = copy.deepcopy(section)
+    entry["grids"] = {name: {"kind": kind, **entry.pop(kind)}}
+    for config in (section, entry):
+        validate(config, str(REPO / "experiments/schema/config.schema.yaml"))
+    return section, entry
+
+
+def _one_size(model="mini-xs", arms=None):
+    """The committed study's section changes that keep one model size only (its per-size keys with it), and of
+    its arms only ``arms`` (None: all)."""
+    study = yaml.safe_load((REPO / "experiments" / PRESET_CONFIGS["study"]).read_text())["study"]
+    per_size = ("sizes", "size_arms", "resources", "parameters", "throughput_tokens_per_s")
+    kept = {k: {m: v for m, v in study[k].items() if m == model} for k in per_size if k in study}
+    return {"models": [model], **kept, **({"arms": {a: study["arms"][a] for a in arms}} if arms else {})}
+
+
+def _relative(text, config, folder):
+    """A run's text with its entry's folder under the results (where its shared warm start is) left out."""
+    return text.replace(f"{config['results']}/{folder}/", "<entry>/")
+
+
+@pytest.mark.parametrize("kind", ["dose", "study"])
+def test_a_dose_or_study_section_is_shorthand_for_a_grids_entry_of_its_kind(kind):
+    """The ``dose:`` / ``study:`` section written as a ``grids:`` entry of ``kind: dose`` / ``kind: study``
+    passes the one schema with the same defaults and expands to the same cells: the same directories under the
+    entry, labels, seeds and models, the same run.yaml text and shared warm starts (each under the entry's own
+    folder), the same process groups with the same resources, and the same manifest (its cells under the
+    entry, and the entry's name)."""
+    from rpa.workflow.experiments import ancient_start, entry_of, manifest
+    from rpa.workflow.resources import group_resources
+
+    section, entry = _as_entry(kind)
+    assert entry["grids"]["e"] == {"kind": kind, **section[kind]}  # the defaults filled in alike
+    mine, theirs = check_config(entry), check_config(section)
+    cells, expected = mine.cells["grids"], theirs.cells[kind]
+    assert len(cells) == len(expected) > 1
+    assert [c.name for c in cells] == [f"e/{c.name}" for c in expected]
+    assert [(c.labels, c.seed, c.model) for c in cells] == [(c.labels, c.seed, c.model) for c in expected]
+    assert [_relative(yaml.safe_dump(c.run.to_dict()), entry, "grids/e") for c in cells] == \
+        [_relative(yaml.safe_dump(c.run.to_dict()), section, kind) for c in expected]
+    assert {c.init.dir for c in cells} == {c.init.dir.replace(f"/{kind}/", "/grids/e/", 1) for c in expected}
+    assert [dict(c.init.config) for c in cells] == [dict(c.init.config) for c in expected]
+    assert [c.name for c in cells if ancient_start(entry, "grids", c)] == []  # a fixed warm-start folder
+    groups, expected_groups = mine.groups["grids"], theirs.groups[kind]
+    assert [g.name for g in groups] == [f"e/{g.name}" for g in expected_groups]
+    assert [group_resources(entry, "grids", entry_of(entry, "grids", g.cells[0]), g.cells) for g in groups] == \
+        [group_resources(section, kind, section[kind], g.cells) for g in expected_groups]
+    written, own = manifest(entry, "grids", "e", cells), manifest(section, kind, None, expected)
+    assert written.pop("grid") == "e"
+    assert [c.pop("cell") for c in written["cells"]] == [f"e/{c.pop('cell')}" for c in own["cells"]]
+    assert json.dumps(written) == json.dumps(own)  # the kind's keys, in its order
+
+
+@pytest.mark.parametrize("kind,changes,needle", [
+    ("dose", {"doses": None}, "grids.e: 'doses' is a required property"),
+    ("dose", {"dosez": [1]}, "grids.e: unknown key(s) 'dosez' (did you mean 'doses'?)"),
+    ("dose", {"axes": {"arm": {"x": {}}}}, "grids.e: unknown key(s) 'axes'"),  # a plain grid's key
+    ("dose", {"doses": [9]}, "grids.e.doses.0: 9 is greater than the maximum of 6"),
+    ("study", {"armz": {}}, "grids.e: unknown key(s) 'armz' (did you mean 'arms'?)"),
+    ("doze", {}, "grids.e.kind: 'doze' is not one of ['grid', 'dose', 'study']"),
+], ids=["missing", "misspelt", "plain-key", "bad-value", "study-misspelt", "kind"])
+def test_a_bad_preset_entry_is_refused_by_the_schema_naming_it(kind, changes, needle):
+    """The schema checks a ``grids:`` entry by its kind: one of a preset kind has exactly the keys of that
+    kind's section; the refusal is one line naming the entry (the Snakefile's message)."""
+    import jsonschema
+
+    from rpa.workflow.pipeline import schema_problem
+
+    section = yaml.safe_load((REPO / "experiments" / PRESET_CONFIGS.get(kind, "config.yaml")).read_text())
+    written = {**section.pop(kind if kind in PRESET_CONFIGS else "dose"), **changes, "kind": kind}
+    config = {**section, "grids": {"e": {k: v for k, v in written.items() if v is not None}}}
+    schema = str(REPO / "experiments/schema/config.schema.yaml")
+    assert schema_problem(config, schema).startswith(needle)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(yaml.safe_load(open(schema))).validate(config)
+
+
+@pytest.mark.parametrize("kind,changes,needle", [
+    ("dose", {"model": "nope"}, "grids.e.model: 'nope' is not a name in models"),
+    ("dose", {"doses": ["none", "none"]}, "grids.e: two cells share a directory"),
+    ("study", {"reference_arm": "nonee"}, "grids.e.reference_arm: 'nonee' is not an arm of grids.e.arms (did you "
+                                          "mean 'none'?)"),
+    ("study", {"sizes": {"mini-xxl": {}}}, "grids.e.sizes: 'mini-xxl' is not in grids.e.models"),
+])
+def test_a_preset_entry_is_held_to_its_kinds_checks_naming_it(kind, changes, needle):
+    """A ``grids:`` entry of a preset kind gets the checks its section gets, before any cell is made, each
+    problem named where the entry is written; the section's own problems keep their names."""
+    section, entry = _as_entry(kind, **changes)
+    with pytest.raises(PipelineConfigError, match=re.escape(needle)):
+        check_config(entry)
+    with pytest.raises(PipelineConfigError, match=re.escape(needle.replace("grids.e", kind))):
+        check_config(section)
+
+
+def test_a_preset_entrys_aggregate_runs_its_kinds_analysis_on_the_entry(tmp_path):
+    """The dry run of a config with a plain ``grids:`` entry, a ``kind: dose`` and a ``kind: study`` entry:
+    each preset entry's aggregate is its kind's analysis pointed at the entry's manifest, writing its tables
+    and figures under ``tables/grids/<entry>/`` and ``figures/grids/<entry>/``; its shared warm starts are in
+    the entry's folder; the plain entry keeps its one table; the ``grids`` target asks for all of them."""
+    _, config = _as_entry("study", "st", tmp_path / "r", **_one_size())
+    _, dose = _as_entry("dose", "pc", tmp_path / "r", doses=["none", 2], is_corrections=["off"],
+                        old_logprobs=["trainer"], anchors={})
+    config["models"]["tiny-qwen3"] = dose["models"]["tiny-qwen3"]
+    config["grids"].update(dose["grids"])
+    config["grids"]["plain"] = {"base": "experiments/train/collapse-walk.yaml", "seeds": [0],
+                                "overrides": {"model": "tiny-qwen3"}, "axes": {"lr": {"hi": {"learning_rate": 1e-3}}}}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    dry = snakemake("-n", "-p", "--cores", "2", "--configfile", str(cfg), "--", "grids")
+    assert dry.returncode == 0, tail(dry)
+    r = f"{tmp_path}/r"
+    assert re.search(r"rule grids_dose_aggregate:\n(.*\n)*?    output: " + re.escape(
+        f"{r}/tables/grids/pc/dose.csv, {r}/tables/grids/pc/dose.md, {r}/tables/grids/pc/dose_runs.csv, "
+        f"{r}/tables/grids/pc/dose_sensitivity.csv, {r}/figures/grids/pc/dose_response.png"), dry.stdout)
+    assert (f"python -m analysis.dose --results {r} --manifest {r}/grids/pc/manifest.json --out-dir "
+            f"{r}/tables/grids/pc --figure {r}/figures/grids/pc/dose_response.png > {r}/logs/grids_pc.log"
+            ) in dry.stdout
+    assert (f"python -m analysis.study --results {r} --format png --manifest {r}/grids/st/manifest.json --out-dir "
+            f"{r}/tables/grids/st --figure-dir {r}/figures/grids/st > {r}/logs/grids_st.log") in dry.stdout
+    assert f"{r}/tables/grids/st/study_collapse.csv" in dry.stdout
+    assert f"output: {r}/tables/grids/plain.csv, {r}/tables/grids/plain.md" in dry.stdout
+    assert f"output: {r}/grids/pc/init/config.json" in dry.stdout
+    assert f"output: {r}/grids/st/mini-xs/init/config.json" in dry.stdout
+    assert f"{r}/dose/" not in dry.stdout and f"{r}/study/" not in dry.stdout
+    for rule in ("grids_dose_aggregate", "grids_study_aggregate", "grids_aggregate"):
+        assert re.search(rf"^{rule}\s+1$", dry.stdout, re.M), rule
+
+
+@pytest.mark.parametrize("kind,reference,changes", [
+    ("dose", "cpu", {"doses": ["none", 2], "is_corrections": ["off", "token_truncate"], "old_logprobs": ["trainer"],
+                     "anchors": {}}),
+    ("study", "study-cpu", _one_size(arms=["none", "all", "fp32"])),  # a few arms of one size: seconds
+], ids=["dose", "study"])
+def test_a_preset_entrys_analysis_writes_the_tables_its_section_writes(tmp_path, monkeypatch, kind, reference, changes):
+    """The same analysis on any entry's manifest: the committed runs of a positive control / the study placed as
+    the section's cells and again as a ``grids:`` entry's, each manifest written by the workflow's function from
+    its config, the kind's analysis run on each (the entry's with its manifest and folders, as its aggregate
+    runs it): every table is the same bytes, but the run table's cell column, which names the entry."""
+    import importlib
+
+    from rpa.workflow.experiments import entry_paths, manifest
+    from rpa.workflow.manifest import dumps
+
+    ref = REPO / "results/reference" / reference
+    outputs = {}
+    for form in ("section", "entry"):
+        results = tmp_path / form
+        section, entry = _as_entry(kind, "e", results, **changes)
+        config, where, name = (section, kind, None) if form == "section" else (entry, "grids", "e")
+        folder = results / where / (name or "")
+        folder.mkdir(parents=True)
+        for run in (ref / kind).iterdir():
+            if run.is_dir():
+                (folder / run.name).symlink_to(run)
+        if (ref / "probe").is_dir():
+            (results / "probe").symlink_to(ref / "probe")
+        (folder / "manifest.json").write_text(dumps(manifest(config, where, name, check_config(config).cells[where])))
+        paths = entry_paths(str(results), "e") if name else {"tables": f"{results}/tables",
+                                                             "figures": f"{results}/figures"}
+        args = (["--out-dir", paths["tables"], "--figure", f"{paths['figures']}/dose_response.png"] if kind == "dose"
+                else ["--out-dir", paths["tables"], "--figure-dir", paths["figures"]])
+        if name:
+            args += ["--manifest", paths["manifest"]]
+        monkeypatch.setattr(sys, "argv", [f"analysis.{kind}", "--results", str(results), *args])
+        importlib.import_module(f"analysis.{kind}").main()  # the module's command line, in this process
+        outputs[form] = {p.name: p.read_text() for p in Path(paths["tables"]).iterdir() if p.is_file()}
+        assert sorted(p.name for p in Path(paths["figures"]).iterdir())
+    assert sorted(outputs["entry"]) == sorted(outputs["section"]) and len(outputs["section"]) >= 4
+    for table, text in outputs["section"].items():
+        mine = outputs["entry"][table]
+        if table == "dose_runs.csv":  # its cell column: the run's directory under grids/, the entry's name first
+            mine = mine.replace(",e/", ",")
+        assert mine == text, table

@@ -31,7 +31,9 @@ def test_every_kind_reserves_through_the_one_resources_schema():
     assert props["train"]["properties"]["resources"] == REF
     assert props["dose"]["properties"]["resources"] == REF
     assert props["study"]["properties"]["resources"]["additionalProperties"] == REF
-    assert props["grids"]["additionalProperties"]["properties"]["resources"] == REF
+    dose, study, plain = (kind["then"]["properties"] for kind in props["grids"]["additionalProperties"]["allOf"])
+    assert dose["resources"] == REF and plain["resources"] == REF  # a grids: entry's, by its kind
+    assert study["resources"]["additionalProperties"] == REF
     assert props["search"]["properties"]["stages"]["additionalProperties"]["properties"]["resources"] == REF
     one = SCHEMA["$defs"]["resources"]
     assert set(one["properties"]) == {"gpu", "mem_mb", "runtime", "cpus_per_task", "launch", "label_mem_mb"}

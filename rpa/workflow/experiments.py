@@ -7,7 +7,10 @@ maps each kind to what it adds to the one grid machinery: its entry builder (the
 :func:`dose_spec`, :func:`study_spec`, :func:`search_entries`), its extra config checks (hooks of
 :func:`rpa.workflow.pipeline.check_config`), its manifest's extra keys (:func:`manifest`) and its analysis
 (the module its tables and figures come from, run by rules/experiments.smk). Cells are
-``<kind>/[<entry>/]<labels>/seed<N>`` under the results.
+``<kind>/[<entry>/]<labels>/seed<N>`` under the results. A ``grids:`` entry may take a preset kind
+(:data:`PRESETS`: ``kind: dose``, ``kind: study``) and the keys of its section: the ``dose:`` and ``study:``
+sections are shorthand for such an entry, whose cells are ``grids/<entry>/<labels>/seed<N>`` and whose tables
+and figures are under ``tables/grids/<entry>/`` and ``figures/grids/<entry>/``.
 """
 
 from __future__ import annotations
@@ -138,13 +141,14 @@ def ancient_start(config: dict[str, Any], kind: str, cell: Cell) -> bool:
     search stage's or ``grids:`` entry's model or digest-named warm start (``<kind>/init/<...>-<digest>``)
     is the same checkpoint when rebuilt, so committed runs restored into place
     (analysis.restore_reference) are not made stale by it; a fixed warm-start folder (``dose/init``,
-    ``study/<model>/init``, a ``grids:`` entry's mapping form without ``{digest}``) can be rebuilt from
-    changed settings, which must rerun its runs; the GRPO grid's start is its model."""
-    if kind not in MULTI_GRID_SECTIONS:
+    ``study/<model>/init``, those of a ``grids:`` entry of a preset kind, a ``grids:`` entry's mapping form
+    without ``{digest}``) can be rebuilt from changed settings, which must rerun its runs; the GRPO grid's
+    start is its model."""
+    written = entry_of(config, kind, cell) if kind in MULTI_GRID_SECTIONS else {}
+    if kind not in MULTI_GRID_SECTIONS or entry_kind(kind, written) != kind:
         return False
-    shared = entry_of(config, kind, cell).get("shared_warm_start")
+    shared = written.get("shared_warm_start")
     return not isinstance(shared, dict) or "{digest}" in shared.get("directory", "")
-
 
 
 
@@ -167,14 +171,14 @@ def dose_label(dose) -> str:
     return "bf16-none" if dose in (None, "none") else perturbation_label(int(dose))
 
 
-def dose_spec(config: dict[str, Any], bases: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``dose:`` section as a grid entry (:func:`grid_of`), the positive control: arms (the
-    sampler-only doses on the base's numerics, then the x-axis anchors, each a numerics configuration
-    in full) x IS correction x old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``,
-    every cell from one shared warm start (``dose/init``). Left out: an IS correction with the
-    sampler's old logprobs (the correction would be applied twice: TrainConfig refuses it), and the
-    anchors with a correction (an anchor runs uncorrected)."""
-    dose = config["dose"]
+def dose_spec(dose: dict[str, Any], bases: dict[str, Any] | None = None, folder: str = "dose") -> dict[str, Any]:
+    """A positive control as a grid entry (:func:`grid_of`) from its keys as written (the ``dose:``
+    section, or a ``grids:`` entry of ``kind: dose``): arms (the sampler-only doses on the base's
+    numerics, then the x-axis anchors, each a numerics configuration in full) x IS correction x
+    old-logprob source x seeds, ``<arm>/<is_correction>-<old_logprobs>/seed<N>``, every cell from one
+    shared warm start (``<folder>/init``, ``folder`` the entry's folder under the results: ``dose``,
+    ``grids/<entry>``). Left out: an IS correction with the sampler's old logprobs (the correction would be
+    applied twice: TrainConfig refuses it), and the anchors with a correction (an anchor runs uncorrected)."""
     base = _base(dose["base"], {} if bases is None else bases)
     doses = {dose_label(d): {"numerics": {
         **(base.get("numerics") or {}), "regions": "none", "precision": "bf16",
@@ -193,7 +197,7 @@ def dose_spec(config: dict[str, Any], bases: dict[str, Any] | None = None) -> di
                      "is_correction": {c: {"is_correction": c} for c in corrections},
                      "old_logprobs": {o: {"old_logprobs": o} for o in dose["old_logprobs"]}},
             "exclude": exclude, "path": "{arm}/{is_correction}-{old_logprobs}", "replace": ["numerics"],
-            "shared_warm_start": {"level": BASE, "directory": "dose/init", "only_with_steps": False}}
+            "shared_warm_start": {"level": BASE, "directory": f"{folder}/init", "only_with_steps": False}}
 
 
 
@@ -214,12 +218,12 @@ def study_arm_names(study: dict[str, Any]) -> list[str]:
     return names
 
 
-def study_spec(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``study:`` section as a grid entry (:func:`grid_of`): models (the base with each size's
-    settings) x arms x seeds, ``<model>/<arm>/seed<N>``; a model's own arms (``study.size_arms``) only
-    on that model. Models with a shared warm start (``warm_start.steps`` > 0) start from
-    ``study/<model>/init``."""
-    study = config["study"]
+def study_spec(study: dict[str, Any], bases: dict[str, Any] | None = None, folder: str = "study") -> dict[str, Any]:
+    """A study as a grid entry (:func:`grid_of`) from its keys as written (the ``study:`` section, or a
+    ``grids:`` entry of ``kind: study``): models (the base with each size's settings) x arms x seeds,
+    ``<model>/<arm>/seed<N>``; a model's own arms (``size_arms``) only on that model. Models with a shared
+    warm start (``warm_start.steps`` > 0) start from ``<folder>/<model>/init`` (``folder`` the entry's
+    folder under the results: ``study``, ``grids/<entry>``)."""
     sizes, own = study.get("sizes") or {}, study.get("size_arms") or {}
     arms = {name: {} for name in study_arm_names(study)}
     for model in study["models"]:
@@ -231,7 +235,7 @@ def study_spec(config: dict[str, Any]) -> dict[str, Any]:
                      "arm": {arm: overrides or {} for arm, overrides in arms.items()}},
             "exclude": [{"model": [m for m in study["models"] if m not in models], "arm": [arm]}
                         for arm, models in owners.items()],
-            "shared_warm_start": {"level": "model", "directory": "study/{model}/init"}}
+            "shared_warm_start": {"level": "model", "directory": f"{folder}/{{model}}/init"}}
 
 
 
@@ -255,62 +259,59 @@ def search_entries(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # ---------------------------------------------------------------- each kind's config checks
 # Hooks of rpa.workflow.pipeline.check_config, which does what every kind needs: expand its entries, refuse
-# cells that name no model, invalid run configs and two cells in one directory. `before` sees the section as
+# cells that name no model, invalid run configs and two cells in one directory. Each hook checks one part of
+# the config as written (a section, or a `grids:` entry of a preset kind: :func:`checked_parts`) and names
+# its problems by `key`, where that part is written (``study``, ``grids.sizes``); `before` sees the part as
 # written (problems there stop the kind's check); `after` sees its expanded, valid cells.
 
 
-def _train_before(config: dict[str, Any]) -> list[str]:
-    model = config["train"]["model"]
-    return [] if model in config.get("models", {}) else [f"train.model: {model!r} is not a name in models"]
+def _train_before(config: dict[str, Any], train: dict[str, Any], key: str) -> list[str]:
+    model = train["model"]
+    return [] if model in config.get("models", {}) else [f"{key}.model: {model!r} is not a name in models"]
 
 
-def _dose_before(config: dict[str, Any]) -> list[str]:
-    dose = config["dose"]
+def _dose_before(config: dict[str, Any], dose: dict[str, Any], key: str) -> list[str]:
     if dose["model"] not in config.get("models", {}):
-        return [f"dose.model: {dose['model']!r} is not a name in models"]
+        return [f"{key}.model: {dose['model']!r} is not a name in models"]
     arms = [dose_label(d) for d in dose["doses"]] + list(dose.get("anchors") or {})
     if len(set(arms)) != len(arms):
-        return ["dose: two cells share a directory (a dose repeated, or an anchor named like a dose)"]
+        return [f"{key}: two cells share a directory (a dose repeated, or an anchor named like a dose)"]
     return []
 
 
-def _study_before(config: dict[str, Any]) -> list[str]:
-    study = config["study"]
-    problems = [f"study.models: {m!r} is not a name in models" for m in study["models"]
+def _study_before(config: dict[str, Any], study: dict[str, Any], key: str) -> list[str]:
+    problems = [f"{key}.models: {m!r} is not a name in models" for m in study["models"]
                 if m not in config.get("models", {})]
-    problems += [f"study.sizes: {m!r} is not in study.models" for m in (study.get("sizes") or {})
-                 if m not in study["models"]]
-    problems += [f"study.resources: {m!r} is not in study.models" for m in (study.get("resources") or {})
-                 if m not in study["models"]]
-    problems += [f"study.size_arms: {m!r} is not in study.models" for m in (study.get("size_arms") or {})
-                 if m not in study["models"]]
+    for part in ("sizes", "resources", "size_arms"):
+        problems += [f"{key}.{part}: {m!r} is not in {key}.models" for m in (study.get(part) or {})
+                     if m not in study["models"]]
     reference = study.get("reference_arm", "none")
     if reference not in study_arm_names(study):
         import difflib
 
         near = difflib.get_close_matches(str(reference), study_arm_names(study), n=1)
-        problems.append(f"study.reference_arm: {reference!r} is not an arm of study.arms"
+        problems.append(f"{key}.reference_arm: {reference!r} is not an arm of {key}.arms"
                         + (f" (did you mean {near[0]!r}?)" if near else ""))
-    problems += [f"study.parameters: {m!r} is not in study.models" for m in (study.get("parameters") or {})
+    problems += [f"{key}.parameters: {m!r} is not in {key}.models" for m in (study.get("parameters") or {})
                  if m not in study["models"]]
-    problems += [f"study.size_arms.{m}.{a}: also a name in study.arms" for m, arms in
+    problems += [f"{key}.size_arms.{m}.{a}: also a name in {key}.arms" for m, arms in
                  (study.get("size_arms") or {}).items() for a in (arms or {}) if a in study["arms"]]
     first: dict[str, tuple[str, Any]] = {}  # a per-size arm is one arm of the grid: the same overrides on each size
     for m, arms in (study.get("size_arms") or {}).items():
         for a, overrides in (arms or {}).items():
             if a in first and (overrides or {}) != first[a][1]:
-                problems.append(f"study.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
+                problems.append(f"{key}.size_arms.{m}.{a}: also an arm of {first[a][0]!r} with other overrides; "
                                 f"name the two arms differently")
             first.setdefault(a, (m, overrides or {}))
     return problems
 
 
-def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str]:
-    """One line per model and arm whose colocated vLLM cannot hold its weights in its share of one
-    GPU: ``study.parameters`` x the precision's bytes (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel
-    ranks, against ``vllm_gpu_memory_utilization`` x ``study.gpu_memory_gb`` (the share vLLM takes;
-    its KV cache needs room on top). Nothing is checked where either figure is missing."""
-    study = config["study"]
+def study_memory_problems(study: dict[str, Any], cells: list[Cell], key: str = "study") -> list[str]:
+    """One line per model and arm of a study (its keys as written, where ``key`` names it) whose colocated vLLM
+    cannot hold its weights in its share of one GPU: ``parameters`` x the precision's bytes
+    (:data:`BYTES_PER_PARAMETER`) / the tensor-parallel ranks, against ``vllm_gpu_memory_utilization`` x
+    ``gpu_memory_gb`` (the share vLLM takes; its KV cache needs room on top). Nothing is checked where either
+    figure is missing."""
     memory, sizes = study.get("gpu_memory_gb"), study.get("parameters") or {}
     if not memory:
         return []
@@ -329,17 +330,17 @@ def study_memory_problems(config: dict[str, Any], cells: list[Cell]) -> list[str
         if weights >= share:
             split = f" / {cfg.vllm_tensor_parallel_size} ranks" if cfg.vllm_tensor_parallel_size > 1 else ""
             problems.append(
-                f"study.arms.{arm} ({model}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
+                f"{key}.arms.{arm} ({model}): vLLM's {precision} weights, {weights:.1f} GB ({count:.3g} "
                 f"parameters x {BYTES_PER_PARAMETER[precision]} bytes{split}), do not fit its share of one "
                 f"{memory:g} GB GPU (vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization:g}: "
                 f"{share:.1f} GB); raise the arm's vllm_gpu_memory_utilization or run it on smaller sizes only "
-                f"(study.size_arms)")
+                f"({key}.size_arms)")
     return problems
 
 
-def _study_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) -> list[str]:
-    study = config["study"]
-    problems = study_memory_problems(config, cells) if runs_valid else []
+def _study_after(config: dict[str, Any], study: dict[str, Any], key: str, cells: list[Cell],
+                 runs_valid: bool) -> list[str]:
+    problems = study_memory_problems(study, cells, key) if runs_valid else []
     # the probe measures the engine training samples from: eager and compiled vLLM round differently
     probe_compiled = bool((config.get("probe") or {}).get("compiled", False))
     for model in study["models"]:
@@ -354,42 +355,42 @@ def _study_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) ->
     for arm, overrides in {a: o for m in study["models"] for a, o in study_arms(study, m).items()}.items():
         shared = [k for k in ("warm_start", "task") if k in (overrides or {})]
         if shared and shared_init:
-            problems.append(f"study.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
-                            f"model fixes for every arm; set it in the base or study.sizes")
+            problems.append(f"{key}.arms.{arm}: overrides {', '.join(shared)}, which the shared warm start of a "
+                            f"model fixes for every arm; set it in the base or {key}.sizes")
     return problems
 
 
-def _search_before(config: dict[str, Any]) -> list[str]:
-    return [f"search.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
-            for s in (config["search"].get("stages") or {}) if s not in SEARCH_STAGES]
+def _search_before(config: dict[str, Any], search: dict[str, Any], key: str) -> list[str]:
+    return [f"{key}.stages.{s}: not a stage; valid: {', '.join(SEARCH_STAGES)}"
+            for s in (search.get("stages") or {}) if s not in SEARCH_STAGES]
 
 
-def _search_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) -> list[str]:
-    search = config["search"]
+def _search_after(config: dict[str, Any], search: dict[str, Any], key: str, cells: list[Cell],
+                  runs_valid: bool) -> list[str]:
     rule = search.get("decision") or {}
     has_grid = "grid" in (search.get("stages") or {})
     arms = {c.labels.get(rule.get("arm_axis", "")) for c in cells if grid_stage(c) == "grid"}
     problems = []
-    for key in ("reference_arm", "control_arm"):
-        if has_grid and rule.get(key) not in arms:
-            problems.append(f"search.decision.{key}: {rule.get(key)!r} is not a label of the grid's "
+    for name in ("reference_arm", "control_arm"):
+        if has_grid and rule.get(name) not in arms:
+            problems.append(f"{key}.decision.{name}: {rule.get(name)!r} is not a label of the grid's "
                             f"{rule.get('arm_axis')!r} axis")
     for name, q in (rule.get("questions") or {}).items() if has_grid else ():
-        problems += [f"search.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
+        problems += [f"{key}.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
     for name, e in (rule.get("effects") or {}).items():
         weights = e.get("contrast") or {}
-        problems += [f"search.decision.effects.{name}: {arm!r} is not a label of the grid's "
+        problems += [f"{key}.decision.effects.{name}: {arm!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for arm in weights if arm not in arms]
         if abs(sum(weights.values())) > 1e-9:
-            problems.append(f"search.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
+            problems.append(f"{key}.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
                             "not 0 (an effect compares arms)")
     for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
         named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
         if len(set(named)) < len(named):
-            problems.append(f"search.post_hoc.comparisons.{name}: an arm named twice (a: {c['a']!r}, b: {c['b']!r}); "
+            problems.append(f"{key}.post_hoc.comparisons.{name}: an arm named twice (a: {c['a']!r}, b: {c['b']!r}); "
                             "a comparison takes each arm once")
-        problems += [f"search.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
+        problems += [f"{key}.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for arm in named if arm not in arms]
     return problems
 
@@ -399,42 +400,45 @@ def _search_after(config: dict[str, Any], cells: list[Cell], runs_valid: bool) -
 
 def manifest(config: dict[str, Any], kind: str, entry: str | None, cells: list[Cell]) -> dict[str, Any]:
     """The manifest of one entry (``<kind>/[<entry>/]manifest.json``, docs/pipeline.md#manifests): its
-    cells and axes (labels in order) and the kind's own keys (:attr:`Kind.manifest`), in the one schema
-    :func:`rpa.workflow.manifest.manifest` writes."""
+    cells and axes (labels in order) and its kind's own keys (:attr:`Kind.manifest`; a ``grids:`` entry of a
+    preset kind: that kind's, and ``grid``, its name), in the one schema :func:`rpa.workflow.manifest.manifest`
+    writes."""
     from rpa.workflow.manifest import manifest as render
 
     cells = [c for c in cells if grid_stage(c) == entry]
     bases: dict[str, Any] = {}
     spec = entries(config, kind, bases)[entry]
     axes = {axis: list(labels) for axis, labels in spec["axes"].items()}
-    return render(kind, cells, KINDS[kind].manifest(config, entry, axes))
+    written = written_entries(config, kind)[entry]
+    own = entry_kind(kind, written)
+    extras = KINDS[own].manifest(config, written, entry, axes)
+    return render(own, cells, extras if own == kind else {**extras, "grid": entry})
 
 
-def _plain_manifest(config, entry, axes):
+def _plain_manifest(config, written, entry, axes):
     return {"axes": axes}
 
 
-def _dose_manifest(config, entry, axes):
-    bits = {dose_label(d): None if d in (None, "none") else int(d) for d in config["dose"]["doses"]}
+def _dose_manifest(config, dose, entry, axes):
+    bits = {dose_label(d): None if d in (None, "none") else int(d) for d in dose["doses"]}
     return {"axes": axes, "doses": {arm: bits.get(arm) for arm in axes["arm"]}}
 
 
-def _study_manifest(config, entry, axes):
+def _study_manifest(config, study, entry, axes):
     # the study's keys as they were before the one schema (committed manifests keep their bytes): no axes
-    study = config["study"]
     return {"models": study["models"], "arms": study_arm_names(study), "seeds": study["seeds"],
             "reference_arm": study["reference_arm"], "label": study["label"],
             "probe_configs": list(config["probe"]["configs"])}
 
 
-def _search_manifest(config, stage, axes):
+def _search_manifest(config, written, stage, axes):
     search = config["search"]
     return {"stage": stage, "label": search.get("label", "natural-collapse search"), "axes": axes,
             "pilot_rule": search.get("pilot_rule", {}), "decision": search.get("decision", {}),
             **({"post_hoc": search["post_hoc"]} if search.get("post_hoc") and stage == "grid" else {})}
 
 
-def _grids_manifest(config, name, axes):
+def _grids_manifest(config, written, name, axes):
     return {"grid": name, "axes": axes}
 
 
@@ -444,19 +448,21 @@ def _grids_manifest(config, name, axes):
 @dataclass(frozen=True)
 class Kind:
     """What one kind of experiment adds to the one grid machinery (rules/experiments.smk reads it: one
-    manifest rule for every kind, one aggregate rule and one target per kind)."""
+    manifest rule for every kind, one aggregate rule and one target per kind, and one aggregate rule per
+    preset kind over the ``grids:`` entries of that kind)."""
 
     name: str
     """Its config section, and its folder under the results."""
     entries: Callable[[dict[str, Any], dict[str, Any]], dict[str | None, dict[str, Any]]]
     """The section's grid entries (config, bases read) -> {entry name or None: entry}."""
-    where: Callable[[Cell], str]
-    """How a config problem names a cell."""
+    where: Callable[[Cell, str], str]
+    """How a config problem names a cell (the cell, where its part of the config is: :func:`checked_parts`)."""
     manifest: Callable[..., dict[str, Any]]
-    """(config, entry, axes) -> the kind's own keys of its manifest (:func:`manifest`)."""
+    """(config, its part as written, entry name, axes) -> the kind's own keys of its manifest (:func:`manifest`)."""
     analysis: str
-    """The command (Snakemake's shell format; ``{params.results}``, ``{params.format}``, ``{output.<name>}``,
-    ``{wildcards.entry}``, ``{log}``) of the analysis that writes its tables and figures."""
+    """The command (Snakemake's shell format; ``{params.results}``, ``{params.format}``, ``{params.tables}``
+    (the folder of its tables), ``{params.scope}`` (:attr:`entry_args` for a ``grids:`` entry, else nothing),
+    ``{output.<name>}``, ``{wildcards.entry}``, ``{log}``) of the analysis that writes its tables and figures."""
     outputs: dict[str, str]
     """The aggregate's outputs by name, under the results (``{entry}``: a named entry's, ``{format}``: the
     figures' format)."""
@@ -471,8 +477,10 @@ class Kind:
     inputs: tuple[str, ...] = ()
     """Further inputs of the aggregate under the results (beyond its runs' records and its manifest)."""
     target_entries: tuple[str, ...] = ()
-    before: Callable[[dict[str, Any]], list[str]] | None = None
-    after: Callable[[dict[str, Any], list[Cell], bool], list[str]] | None = None
+    before: Callable[[dict[str, Any], dict[str, Any], str], list[str]] | None = None
+    """(config, its part as written, where that is) -> problems of the part as written."""
+    after: Callable[[dict[str, Any], dict[str, Any], str, list[Cell], bool], list[str]] | None = None
+    """(config, its part as written, where that is, its cells, whether every run config is valid) -> problems."""
     check_inits: bool = False
     """Validate each shared warm start's run config before the cells' (a fixed warm-start folder's)."""
     entries_at: tuple[str, ...] | None = None
@@ -484,6 +492,12 @@ class Kind:
     resources_by: str | None = None
     """The label that picks a run's ``resources`` where its entry's are a mapping label -> resources (the
     study's: by model size); None: the entry's ``resources`` are every run's."""
+    preset: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]] | None = None
+    """A preset kind (a ``grids:`` entry may take it, ``kind: <name>``): its entry builder (its keys as written,
+    the bases read, the folder of its cells under the results) -> the grid entry (:func:`grid_of`)."""
+    entry_args: str = ""
+    """A preset's analysis arguments for a ``grids:`` entry (``{manifest}``, ``{tables}``, ``{figures}``:
+    :func:`entry_paths`), where its own section's are the analysis' defaults."""
 
 
 _STUDY_TABLES = {f"{name}_{ext}": f"tables/study_{name}.{ext}"
@@ -491,40 +505,55 @@ _STUDY_TABLES = {f"{name}_{ext}": f"tables/study_{name}.{ext}"
 _STUDY_FIGURES = {f"{name}_fig": f"figures/study_{name}.{{format}}"
                   for name in ("rewards", "mismatch_curves", "heatmap")}
 
+
+def _cell_where(c: Cell, key: str) -> str:
+    return f"{key} cell {c.name}"
+
+
+def _grids_entries(config: dict[str, Any], bases: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """The ``grids:`` entries as grid entries: a plain one as written, one of a preset kind built by its
+    preset (its cells and shared warm starts under ``grids/<entry>/``)."""
+    built: dict[str | None, dict[str, Any]] = {}
+    for name, written in (config.get("grids") or {}).items():
+        preset = KINDS[entry_kind("grids", written)].preset
+        built[name] = written if preset is None else preset(written, bases, f"grids/{name}")
+    return built
+
+
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("train", lambda config, bases: {None: train_spec(config)},
-         lambda c: f"train.settings.{c.labels['setting']} (regions {c.labels['regions']}, seed {c.seed})",
+         lambda c, key: f"{key}.settings.{c.labels['setting']} (regions {c.labels['regions']}, seed {c.seed})",
          _plain_manifest,
          "python -m analysis.train_summary --results {params.results} --out-table {output.csv} --out-md {output.md} "
          "--out-figure {output.fig} > {log} 2>&1",
          {"csv": "tables/train.csv", "md": "tables/train.md", "fig": "figures/train_curves.{format}"},
          ("csv", "fig"), "GRPO grid", "train_all", "train_aggregate.log", before=_train_before,
          resources={"mem_mb": 8000}),
-    Kind("dose", lambda config, bases: {None: dose_spec(config, bases)}, lambda c: f"dose cell {c.name}",
-         _dose_manifest,
-         "python -m analysis.dose --results {params.results} --out-dir {params.results}/tables --figure {output.fig} "
-         "> {log} 2>&1",
+    Kind("dose", lambda config, bases: {None: dose_spec(config["dose"], bases)}, _cell_where, _dose_manifest,
+         "python -m analysis.dose --results {params.results}{params.scope} --out-dir {params.tables} "
+         "--figure {output.fig} > {log} 2>&1",
          {"csv": "tables/dose.csv", "md": "tables/dose.md", "runs": "tables/dose_runs.csv",
           "sensitivity": "tables/dose_sensitivity.csv", "fig": "figures/dose_response.{format}"},
          ("csv", "runs", "sensitivity", "fig"), "Positive control", "dose_response", "dose_aggregate.log",
-         before=_dose_before, check_inits=True, resources={"mem_mb": 6000, "runtime": 60}),
-    Kind("study", lambda config, bases: {None: study_spec(config)},
-         lambda c: f"study.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})",
-         _study_manifest, "python -m analysis.study --results {params.results} --format {params.format} > {log} 2>&1",
+         before=_dose_before, check_inits=True, resources={"mem_mb": 6000, "runtime": 60}, preset=dose_spec,
+         entry_args=" --manifest {manifest}"),
+    Kind("study", lambda config, bases: {None: study_spec(config["study"], bases)},
+         lambda c, key: f"{key}.arms.{c.labels['arm']} ({c.labels['model']}, seed {c.seed})",
+         _study_manifest,
+         "python -m analysis.study --results {params.results} --format {params.format}{params.scope} > {log} 2>&1",
          {**_STUDY_TABLES, **_STUDY_FIGURES}, (*(k for k in _STUDY_TABLES if k.endswith("_csv")), *_STUDY_FIGURES),
          "Study", "study", "study_aggregate.log", inputs=("tables/probe.csv",),
          before=_study_before, after=_study_after, check_inits=True, resources={"mem_mb": 8000},
-         resources_by="model"),
-    Kind("search", lambda config, bases: search_entries(config), lambda c: f"search cell {c.name}",
-         _search_manifest,
+         resources_by="model", preset=study_spec,
+         entry_args=" --manifest {manifest} --out-dir {tables} --figure-dir {figures}"),
+    Kind("search", lambda config, bases: search_entries(config), _cell_where, _search_manifest,
          "python -m analysis.collapse_search --results {params.results} --stage {wildcards.entry} "
          "--figure {output.fig} > {log} 2>&1",
          {"csv": "tables/search_{entry}.csv", "md": "tables/search_{entry}.md", "json": "tables/search_{entry}.json",
           "fig": "figures/search_{entry}.{format}"},
          ("csv", "fig"), "Collapse search", "collapse_{entry}", "search_{entry}.log", target_entries=SEARCH_STAGES,
          before=_search_before, after=_search_after, entries_at=("stages",)),
-    Kind("grids", lambda config, bases: dict(config.get("grids") or {}), lambda c: f"grids cell {c.name}",
-         _grids_manifest,
+    Kind("grids", _grids_entries, _cell_where, _grids_manifest,
          "python -m analysis.grid_summary --results {params.results} --grid {wildcards.entry} --out-csv {output.csv} "
          "--out-md {output.md} > {log} 2>&1",
          {"csv": "tables/grids/{entry}.csv", "md": "tables/grids/{entry}.md"}, ("csv",), "Grids", "grids",
@@ -539,6 +568,53 @@ GRID_SECTIONS = tuple(KINDS)
 MULTI_GRID_SECTIONS = tuple(name for name, kind in KINDS.items() if kind.entries_at is not None)
 """The kinds whose section holds several entries, each named (a search stage, a ``grids:`` entry): their
 cells and outputs carry the entry's name; the other kinds' section is one entry."""
+
+PRESETS = tuple(name for name, kind in KINDS.items() if kind.preset is not None)
+"""The kinds a ``grids:`` entry may take (``kind: dose``, ``kind: study``): the entry then has the keys of that
+kind's section (the ``dose:`` / ``study:`` section is shorthand for such an entry), its kind's checks, manifest
+and analysis, its tables and figures under ``tables/grids/<entry>/`` and ``figures/grids/<entry>/``."""
+
+
+def entry_kind(section: str, written: Mapping[str, Any]) -> str:
+    """The kind of an entry of ``section`` as written: a ``grids:`` entry's ``kind`` (a preset of
+    :data:`PRESETS`; ``grid`` or none: a plain entry, kind ``grids``), else the section's."""
+    if section != "grids" or written.get("kind", "grid") == "grid":
+        return section
+    return written["kind"]
+
+
+def checked_parts(config: dict[str, Any], section: str) -> list[tuple[Kind, dict[str, Any], str, str | None]]:
+    """What a section's kind checks (:attr:`Kind.before`, :attr:`Kind.after`, :attr:`Kind.where`) are run on,
+    each (its kind, the part as written, where it is written, the entry whose cells are its own or None for
+    the section's every cell): the section as a whole; a ``grids:`` section entry by entry (``grids.<entry>``
+    for an entry of a preset kind; a plain entry's cells are named ``grids cell ...``)."""
+    if section != "grids":
+        return [(KINDS[section], config[section], section, None)]
+    return [(KINDS[own], written, "grids" if own == "grids" else f"grids.{name}", name)
+            for name, written in config["grids"].items() for own in [entry_kind("grids", written)]]
+
+
+def entry_paths(results: str, entry: str) -> dict[str, str]:
+    """Where the aggregate of a ``grids:`` entry of a preset kind reads and writes: its ``manifest``, the folders
+    of its ``tables`` and ``figures``."""
+    return {"manifest": f"{results}/grids/{entry}/manifest.json", "tables": f"{results}/tables/grids/{entry}",
+            "figures": f"{results}/figures/grids/{entry}"}
+
+
+def entry_outputs(kind: str) -> dict[str, str]:
+    """The outputs of a ``grids:`` entry of preset ``kind`` by name, under the results: the kind's tables and
+    figures in the entry's folders (:func:`entry_paths`: ``tables/grids/{entry}/dose.csv``)."""
+    folders = entry_paths("", "{entry}")
+    return {name: f"{folders[path.split('/', 1)[0]].lstrip('/')}/{path.split('/', 1)[1]}"
+            for name, path in KINDS[kind].outputs.items()}
+
+
+def kind_outputs(config: dict[str, Any], section: str, entry: str | None = None) -> dict[str, str]:
+    """The tables and figures of an entry of ``section`` (its aggregate rule's outputs) by name, under the
+    results (``{format}`` left to fill): a ``grids:`` entry of a preset kind's by :func:`entry_outputs`."""
+    own = section if entry is None else entry_kind(section, written_entries(config, section)[entry])
+    paths = KINDS[section].outputs if own == section else entry_outputs(own)
+    return {name: path.replace("{entry}", entry or "") for name, path in paths.items()}
 
 
 def kind_cells(config: dict[str, Any], kind: str, entry: str | None = None) -> list[Cell]:

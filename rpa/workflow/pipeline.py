@@ -21,7 +21,7 @@ from typing import Any
 from rpa.core.numerics_config import NumericsConfig, NumericsConfigError
 from rpa.core.regions import RegionError, parse_regions
 from rpa.core.yamlfiles import load_yaml
-from rpa.workflow.experiments import GRID_SECTIONS, KINDS, grid_groups, kind_grids
+from rpa.workflow.experiments import GRID_SECTIONS, checked_parts, grid_groups, grid_stage, kind_grids
 from rpa.workflow.grid import WARM_START_INPUTS, Cell, Group, expand
 from rpa.workflow.jobs import parity_options, probe_options, prompts_task
 from rpa.workflow.resources import launch_problems
@@ -288,27 +288,36 @@ def _invalid_runs(cells: list[Cell], where) -> list[str]:
 
 def grid_problems(config: dict[str, Any], kind: str) -> tuple[list[str], list[Cell]]:
     """What is wrong with the entries of a config's ``kind`` section, and its cells where nothing is: the
-    kind's own checks of the section as written (:attr:`~rpa.workflow.experiments.Kind.before`), entries that
-    do not expand, cells that name no model, invalid run configs, two cells in one directory, then the kind's
-    checks of its cells (:attr:`~rpa.workflow.experiments.Kind.after`)."""
+    kind's own checks of the section as written (:attr:`~rpa.workflow.experiments.Kind.before`; a ``grids:``
+    entry of a preset kind: that kind's, on the entry: :func:`~rpa.workflow.experiments.checked_parts`),
+    entries that do not expand, cells that name no model, invalid run configs, two cells in one directory,
+    then the kind's checks of its cells (:attr:`~rpa.workflow.experiments.Kind.after`)."""
     from rpa.train.config import TrainConfig, TrainConfigError
 
-    spec = KINDS[kind]
-    problems = (spec.before(config) if spec.before else []) + launch_problems(config, kind)
+    parts = checked_parts(config, kind)
+    problems = [p for spec, part, key, _ in parts if spec.before for p in spec.before(config, part, key)]
+    problems += launch_problems(config, kind)
     if problems:
         return problems, []
+    by_entry = {name: (spec, key) for spec, _, key, name in parts}
+
+    def where(c: Cell) -> str:  # a cell as the problems of its part of the config name it
+        spec, key = by_entry.get(grid_stage(c)) or by_entry[None]
+        return spec.where(c, key)
+
     try:
         cells = [c for grid in kind_grids(config, kind) for c in expand(grid)]
-        if spec.check_inits:  # a fixed warm-start folder's run config, before its cells'
-            for init in {c.init.dir: c.init for c in cells if c.init}.values():
-                TrainConfig.from_dict(dict(init.config))
+        checked = {name for spec, _, _, name in parts if spec.check_inits}
+        # a fixed warm-start folder's run config, before its cells'
+        for init in {c.init.dir: c.init for c in cells if c.init and {None, grid_stage(c)} & checked}.values():
+            TrainConfig.from_dict(dict(init.config))
     except (OSError, KeyError, ValueError, TrainConfigError) as err:  # YamlError, RegionError: ValueErrors
         return [f"{kind}: {err}"], []
-    problems = [f"{spec.where(c)}: model {c.model!r} is not a name in models" for c in cells
+    problems = [f"{where(c)}: model {c.model!r} is not a name in models" for c in cells
                 if c.model not in config["models"]]
     if problems:
         return sorted(set(problems)), []
-    invalid = _invalid_runs(cells, spec.where)
+    invalid = _invalid_runs(cells, where)
     problems += invalid
     names = [c.name for c in cells]
     if len(set(names)) != len(names):
@@ -317,9 +326,11 @@ def grid_problems(config: dict[str, Any], kind: str) -> tuple[list[str], list[Ce
     for c in cells:  # a warm-start folder is one checkpoint: the cells that share it must agree on what it reads
         read = None if c.init is None else {k: c.init.config.get(k) for k in WARM_START_INPUTS}
         if c.init is not None and inits.setdefault(c.init.dir, read) != read:
-            problems.append(f"{spec.where(c)}: its shared warm start {c.init.dir} has other settings than another "
+            problems.append(f"{where(c)}: its shared warm start {c.init.dir} has other settings than another "
                             f"cell's there (put {{seed}} or {{digest}} in shared_warm_start.directory)")
             break
-    if spec.after and cells:
-        problems += spec.after(config, cells, not invalid)
+    for spec, part, key, name in parts:
+        mine = [c for c in cells if name is None or grid_stage(c) == name]
+        if spec.after and mine:
+            problems += spec.after(config, part, key, mine, not invalid)
     return problems, cells

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rpa.workflow.experiments import KINDS, entry_key, written_entries
+from rpa.workflow.experiments import KINDS, entry_key, entry_kind, written_entries
 
 
 RUN_DEFAULTS = {"gpu": 0, "runtime": 120, "cpus_per_task": 2, "launch": "single", "label_mem_mb": {}}
@@ -15,10 +15,10 @@ sets them: on the CPU, two cores, in one process, 120 minutes; ``mem_mb``: the c
 def entry_resources(kind: str, entry: dict[str, Any], label: str | None = None) -> dict[str, Any]:
     """The one ``resources`` mapping of an entry of ``kind`` as written
     (experiments/schema/config.schema.yaml ``$defs/resources``), its defaults filled in: :data:`RUN_DEFAULTS`,
-    then the kind's, then the entry's (where the kind picks them by a label,
-    :attr:`~rpa.workflow.experiments.Kind.resources_by`: those of ``label``). ``mem_mb`` is absent where
-    none of them sets it (the config's ``job_mem_mb``)."""
-    spec = KINDS[kind]
+    then the kind's (a ``grids:`` entry of a preset kind: that kind's), then the entry's (where the kind picks
+    them by a label, :attr:`~rpa.workflow.experiments.Kind.resources_by`: those of ``label``). ``mem_mb`` is
+    absent where none of them sets it (the config's ``job_mem_mb``)."""
+    spec = KINDS[entry_kind(kind, entry)]
     given = entry.get("resources") or {}
     if spec.resources_by is not None:
         given = given.get(label) or {}
@@ -32,7 +32,7 @@ def run_resources(config: dict[str, Any], kind: str, entry: dict[str, Any],
     process; else the accelerate config a multi-GPU run launches with), from :func:`entry_resources`; its
     ``label_mem_mb`` (the largest of the run's labels) before its ``mem_mb``, before the config's
     ``job_mem_mb``."""
-    by = KINDS[kind].resources_by
+    by = KINDS[entry_kind(kind, entry)].resources_by
     res = entry_resources(kind, entry, None if by is None else labels.get(by))
     labelled = [res["label_mem_mb"][v] for v in labels.values() if v in res["label_mem_mb"]]
     mem = max(labelled, default=res["mem_mb"] if "mem_mb" in res else config["job_mem_mb"])
@@ -59,7 +59,7 @@ def _resources_written(config: dict[str, Any], kind: str):
     of a kind's entries: one per entry, or one per label where the kind picks them by a label (the study's
     models)."""
     for name, entry in written_entries(config, kind).items():
-        if KINDS[kind].resources_by is None:
+        if KINDS[entry_kind(kind, entry)].resources_by is None:
             yield name, entry, None, f"{entry_key(kind, name)}.resources"
         else:
             for label in entry.get("resources") or {}:
