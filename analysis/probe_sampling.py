@@ -65,7 +65,7 @@ def sampling_table(results: Path) -> pd.DataFrame:
         splits[(cell.model, cell.setting, cell.config)] = kept
         row = {"model": cell.model, "setting": cell.setting, **{k: settings[k] for k in
                                                                 ("temperature", "top_p", "top_k", "logprobs")},
-               "config": cell.config, "sampler": cell.summary["config"]["completions"] is None,  # it sampled itself
+               "config": cell.config, "sampler": cell.summary["config"]["completions"] == "sampled",  # it sampled itself
                "sequences": summary["sequences"], "tokens": summary["tokens"], "outside_kept": summary["outside_kept"]}
         per_seq = kept.assign(**{p: kept[p].abs() for p in PARTS}).groupby("seq")
         counts = per_seq.size().to_numpy()
@@ -89,9 +89,10 @@ def sampling_table(results: Path) -> pd.DataFrame:
                           _pairs(ref, "rounding"))["mean_abs_dlogp"]
         changes.append((c["change"], c["low"], c["high"]))
     df["rounding_change"], df["rounding_change_low"], df["rounding_change_high"] = zip(*changes)
-    order = {label: i for i, label in enumerate(dict.fromkeys(df.setting))}
-    df = df.sort_values(["model", "setting", "sampler"], key=lambda c: c.map(order) if c.name == "setting" else c,
-                        ascending=[True, True, False], kind="stable")
+    # the untransformed setting first: temperature and top-p falling, top-k off first, processed before raw
+    df = df.assign(_k=df.top_k.astype(float).where(df.top_k > 0, np.inf)).sort_values(
+        ["model", "temperature", "top_p", "_k", "logprobs", "sampler"],
+        ascending=[True, False, False, False, True, False], kind="stable")
     return df[list(COLUMNS)].reset_index(drop=True)
 
 

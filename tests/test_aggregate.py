@@ -139,7 +139,7 @@ def write_sampling_cell(results, setting: str, config: str, rounding: np.ndarray
     rows += [{**rows[0], "position": 10 + i, "logp_sampler_processed": -math.inf} for i in range(outside)]
     pd.DataFrame(rows).to_csv(d / "split.csv", index=False)
     settings = SamplingSettings(top_p=0.9)
-    summary = {"config": {"completions": None if sampler else "x/completions.jsonl"},
+    summary = {"config": {"completions": "sampled" if sampler else "x/completions.jsonl"},  # as rpa probe records it
                "sampling_split": {"settings": {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "logprobs": "processed"},
                                   "label": settings.label, "sequences": len(rounding), "tokens": len(rows),
                                   "outside_kept": outside}}
