@@ -23,6 +23,9 @@ BASE = {
     "max_prompt_length": 32, "max_completion_length": 6, "checkpoint_every": 2, "gradient_checkpointing": True,
     "warm_start": {"steps": 40, "learning_rate": 3.0e-3, "batch_size": 16},
     "sync_check": {"tolerance": 0.05, "probe_tokens": 24},
+    # an eager vLLM engine: a compiled one starts in ~30 s instead of ~6 s on 2 cores, and no test here is about
+    # compilation (the tied-model test below keeps the runs' compiled engine; test_vllm compares the two modes)
+    "vllm_enforce_eager": True,
 }
 
 
@@ -832,7 +835,8 @@ def test_a_tied_models_sampler_follows_every_weight_sync(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(model), **BASE, "steps": 3, "checkpoint_every": 3,
                                    "numerics": {"regions": "none", "precision": "fp32"},
-                                   "warm_start": {"steps": 0}, "old_logprobs": "sampler"}))
+                                   "warm_start": {"steps": 0}, "old_logprobs": "sampler",
+                                   "vllm_enforce_eager": False}))  # the grid runs' compiled engine, synced
     proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")])
     assert proc.returncode == 0, tail(proc)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
