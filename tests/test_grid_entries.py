@@ -21,7 +21,7 @@ from tests.test_pipeline import snakemake
 
 TOYS = yaml.safe_load((REPO / "experiments/toys.yaml").read_text())
 RUN = {"steps": 2, "eval_every": 0, "checkpoint_every": 2, "warm_start": {"steps": 0}, "max_completion_length": 16,
-       "task": {"length": 6}}
+       "task": {"length": 6}, "vllm_enforce_eager": True}  # eager: ~6 s to start, not a ~30-s compile
 
 
 def _with_grids(tmp_path, grids, models=None):
