@@ -451,7 +451,8 @@ def test_a_finished_search_is_not_run_again(tmp_path):
     config["models"] = {"deep8": {"tiny": {"arch": "qwen3", "seed": 0}}}
     config["search"]["stages"] = {"pilot": {
         "seeds": [0], "overrides": {"steps": 2, "eval_every": 0, "checkpoint_every": 2, "warm_start": {"steps": 0},
-                                    "max_completion_length": 16, "task": {"length": 6}},
+                                    "max_completion_length": 16, "task": {"length": 6},
+                                    "vllm_enforce_eager": True},  # eager: ~6 s to start, not a ~30-s compile
         "axes": {"model": {"deep8": {"model": "deep8"}}}, "resources": {"mem_mb": 3500, "runtime": 9}}}
     config["search"].pop("decision")
     cfg = tmp_path / "c.yaml"
