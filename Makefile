@@ -6,9 +6,11 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CORES       ?= 2
 # pytest-xdist workers of `make test` / `make test-fast` (1: no parallel workers); loadfile keeps the tests of
 # one file on one worker: the `slurm` tests share one cluster on this machine, and a module's shared fixtures
-# (one engine, one pipeline run) are made once (pytest-xdist 3.8's loadgroup did not group here: measured)
+# (one engine, one pipeline run) are made once (pytest-xdist 3.8's loadgroup did not group here: measured);
+# --no-loadscope-reorder: files go out in tests/conftest.py's order, the dearest first (xdist's own order,
+# most tests first, left the few long SLURM tests to run alone at the end)
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1

@@ -25,9 +25,18 @@ def pytest_configure(config):
         os.environ[CACHE_BASE_ENV] = os.path.join(cache_base(), f"pytest-{worker}")
 
 
+KIND_SECONDS = {"slurm": 100.0, "engine": 20.0, "cli": 3.0, "unit": 0.2}
+"""A rough cost of one test of each kind on 2 cores, to order the test files (below)."""
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test gets one kind: ``engine`` or ``cli`` as marked, else ``cli`` when its body
-    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``."""
+    starts a process, else ``unit``; ``make test-fast`` runs ``not engine``.
+
+    Then the files are put in order of their cost (:data:`KIND_SECONDS` summed over their tests),
+    the dearest first, each file's tests in their own order: pytest-xdist's ``--dist loadfile``
+    hands out whole files in this order (the Makefile turns off its own reordering, which puts the
+    files with the most tests first and left the few-but-long ones, SLURM's, for the end)."""
     for item in items:
         if item.get_closest_marker("engine") or item.get_closest_marker("cli"):
             continue
@@ -36,6 +45,11 @@ def pytest_collection_modifyitems(config, items):
         except (OSError, TypeError):
             source = ""
         item.add_marker("cli" if SUBPROCESS_CALL.search(source) else "unit")
+    cost: dict[str, float] = {}
+    for item in items:
+        kind = next(k for k in KIND_SECONDS if item.get_closest_marker(k))
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + KIND_SECONDS[kind]
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
