@@ -46,7 +46,7 @@ def test_bad_search_entries_are_named():
     assert "model 'no-such-model' is not a name in models" in str(err.value)
     bad = copy.deepcopy(CONFIG)
     bad["search"]["stages"]["pilot"]["axes"]["temperature"]["T0"] = {"temperature": 0}
-    with pytest.raises(PipelineConfigError, match="T0.*temperature > 0"):
+    with pytest.raises(PipelineConfigError, match="T0.*temperature must be a finite number > 0, got 0"):
         check_config(bad)
 
 
