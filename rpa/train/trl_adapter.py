@@ -36,8 +36,8 @@ from trl import GRPOTrainer
 from rpa.core.errors import UserError
 from rpa.core.jsonfiles import append_jsonl
 from rpa.core.runlog import log, world_size
-from rpa.measure.metrics import gap_split_metrics, mismatch_metrics
 from rpa.core.sampling import VLLM_LOGPROBS_MODE
+from rpa.measure.metrics import gap_split_metrics, mismatch_metrics
 from rpa.measure.scoring import (Transforms, sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row,
                                  trl_batch)
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
