@@ -24,7 +24,7 @@ import yaml
 
 from rpa.workflow.grid import deep_merge
 from rpa.workflow.resources import study_resources
-from rpa.workflow.experiments import study_arms
+from rpa.workflow.presets import study_arms
 
 CHECKPOINT_BYTES = 12
 """Bytes a parameter per checkpoint: the FP32 master weight (4) and Adam's two FP32 moments (8)."""

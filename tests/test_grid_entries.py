@@ -14,7 +14,8 @@ import yaml
 
 from rpa.workflow.grid import expand
 from rpa.workflow.pipeline import PipelineConfigError, check_config
-from rpa.workflow.experiments import grid_of, kind_cells, kind_grids, train_spec
+from rpa.workflow.experiments import grid_of, kind_cells, kind_grids
+from rpa.workflow.presets import train_spec
 from tests.conftest import REPO, tail
 from tests.test_grid import _config
 from tests.test_pipeline import snakemake
