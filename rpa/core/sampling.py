@@ -98,6 +98,13 @@ class SamplingSettings:
         return self.top_k > 0 or self.top_p < 1
 
     @property
+    def reports_recompute(self) -> bool:
+        """Whether the logprob the sampler reports is the trainer's recompute ``log softmax(l/T)`` but for
+        rounding (:func:`gap_split`'s non-rounding part is 0): processed logprobs without truncation, raw
+        logprobs at T = 1."""
+        return not self.truncates if self.logprobs == "processed" else self.temperature == 1
+
+    @property
     def label(self) -> str:
         """``T0.7-p0.9`` / ``T1-p1`` (top-k only where on, ``-raw`` for raw logprobs): a row's or a directory's
         name."""
@@ -242,14 +249,16 @@ def renormalised_logprobs(logits: torch.Tensor, targets: torch.Tensor, settings:
 
 
 def transform_part(logits: torch.Tensor, targets: torch.Tensor, settings: SamplingSettings,
-                   keep: torch.Tensor | None) -> torch.Tensor:
+                   keep: torch.Tensor | None, recompute: torch.Tensor | None = None) -> torch.Tensor:
     """The part of each token's gap (:func:`gap_split`) that is not rounding, from these logits:
     the recompute ``log softmax(l/T)[y]`` minus what they report in the sampler's mode -- ``processed``:
     the log of the mass the truncation keeps (``keep``, :func:`kept_support`; 0 without truncation);
-    ``raw``: ``log softmax(l/T)[y] - log softmax(l)[y]`` (0 at T = 1)."""
+    ``raw``: ``log softmax(l/T)[y] - log softmax(l)[y]`` (0 at T = 1). ``recompute``: these logits'
+    :func:`recompute_logprobs` where the caller has them already."""
     import torch
 
-    recompute = recompute_logprobs(logits, settings.temperature)
+    if recompute is None:
+        recompute = recompute_logprobs(logits, settings.temperature)
     if settings.logprobs == "raw":
         return (recompute - raw_logprobs(logits)).gather(-1, targets[:, None])[:, 0]
     if keep is None:  # nothing truncated: the processed logprob is the recompute

@@ -287,8 +287,10 @@ def _head_logps(head, hidden, targets, temperature: float, entropy: bool, transf
     ``transforms`` their renormalised form and the gap's non-rounding part (:class:`Transforms`)."""
     import torch
 
+    from rpa.core.sampling import recompute_logprobs
+
     logits = head(hidden).float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = recompute_logprobs(logits, temperature)  # FP32 log softmax(l / T) over the vocabulary, as TRL's
     picked = logp.gather(-1, targets[:, None])[:, 0]
     ent = -(logp.exp() * logp).sum(-1) if entropy else None  # of the whole distribution, as TRL's
     if transforms is None:
@@ -302,7 +304,7 @@ def _head_logps(head, hidden, targets, temperature: float, entropy: bool, transf
     if not transforms.parts:
         return picked, ent
     with torch.no_grad():
-        part = transform_part(logits, targets, settings, keep)
+        part = transform_part(logits, targets, settings, keep, recompute=logp)
         out = torch.zeros_like(part, dtype=torch.bool) if outside is None else outside
     return picked, ent, recompute.detach(), part, out.to(part.dtype)
 

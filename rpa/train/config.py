@@ -334,7 +334,7 @@ class TrainConfig:
         problem = SamplingSettings.problem(self)  # the one check of the values, on this config's fields
         if problem:
             return problem
-        truncates = self.top_p < 1 or self.top_k > 0
+        truncates = self.sampling.truncates
         if self.trainer_logprobs == "renormalised" and (not truncates or self.logprobs != "processed"):
             return ("trainer_logprobs: renormalised renormalises over the tokens top_p/top_k keep, in vLLM's processed "
                     "logprobs; it needs top_p < 1 or top_k > 0 and logprobs: processed")

@@ -616,8 +616,8 @@ class RpaGRPOTrainer(GRPOTrainer):
             raise RuntimeError("TRL returned no vLLM sampling logprobs; mismatch metrics need them")
         cfg = self.rpa_config
         trainer, split = out.get("old_per_token_logps"), None
-        # the gap's non-rounding part is not 0 where the sampler truncates or reports raw logprobs at T != 1
-        transformed = cfg.sampling.truncates or (cfg.logprobs == "raw" and cfg.temperature != 1)
+        # a kept set to count the sampled tokens outside, or a non-rounding part of the gap to measure
+        transformed = cfg.sampling.truncates or not cfg.sampling.reports_recompute
         if trainer is None or transformed:  # TRL skips pi_old when no IS correction is on: computed the same way
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
