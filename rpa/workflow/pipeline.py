@@ -113,11 +113,7 @@ def _model_probe_problems(config: dict[str, Any], name: str) -> list[str]:
     problems = []
     own = (config["models"][name].get("probe") or {}).get("configs")
     if own is not None:
-        problems += [f"configs: {c!r} is not a name in probe.configs" for c in own if c not in config["probe"]["configs"]]
-        sampler = config["probe"]["sampler"]
-        if sampler not in own:
-            problems.append(f"configs: must include the sampler {sampler!r} (probe.sampler: its completions are the "
-                            f"tokens every configuration scores)")
+        problems += _configs_problems(config, own, "its completions are the tokens every configuration scores")
     try:
         probe_options(config, name)
     except (ValueError, TypeError) as err:
@@ -151,10 +147,16 @@ def _sampling_problems(config: dict[str, Any], name: str) -> list[str]:
         except (TypeError, UserError) as err:
             problems.append(f"settings[{i}]: {err}")
     problems += [f"settings: {label} is given twice" for label in sorted({x for x in labels if labels.count(x) > 1})]
-    configs, sampler = sampling["configs"], config["probe"]["sampler"]
-    problems += [f"configs: {c!r} is not a name in probe.configs" for c in configs if c not in config["probe"]["configs"]]
-    if sampler not in configs:
-        problems.append(f"configs: must include the sampler {sampler!r} (probe.sampler samples at each setting)")
+    return problems + _configs_problems(config, sampling["configs"], "samples at each setting")
+
+
+def _configs_problems(config: dict[str, Any], names: list[str], sampler_role: str) -> list[str]:
+    """What is wrong with a list of probe configuration ``names`` a model runs: a name not in
+    ``probe.configs``, or the sampler missing (``sampler_role``: what it does for the others)."""
+    sampler = config["probe"]["sampler"]
+    problems = [f"configs: {c!r} is not a name in probe.configs" for c in names if c not in config["probe"]["configs"]]
+    if sampler not in names:
+        problems.append(f"configs: must include the sampler {sampler!r} (probe.sampler: {sampler_role})")
     return problems
 
 
