@@ -64,6 +64,14 @@ def per_sequence(tokens: pd.DataFrame) -> pd.DataFrame:
     return frame.groupby("seq").agg(abs_sum=("abs", "sum"), k3_sum=("k3", "sum"), n=("abs", "size"))
 
 
+def _resamples(n: int, seed: int):
+    """:data:`BOOTSTRAP` resamples of ``n`` sequences (indices, with replacement), :data:`BOOTSTRAP_CHUNK`
+    at a time, from a generator seeded with ``seed``: the draws every bootstrap here makes."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, BOOTSTRAP, BOOTSTRAP_CHUNK):
+        yield rng.integers(0, n, (min(BOOTSTRAP_CHUNK, BOOTSTRAP - start), n))
+
+
 def paired_change(arm_tokens: pd.DataFrame, ref_tokens: pd.DataFrame, seed: int = 0) -> dict:
     """Relative change of the token-mean |dlogp| and kl_k3 vs the reference on the same
     tokens, with a paired bootstrap over sequences (95% percentile interval).
@@ -73,11 +81,9 @@ def paired_change(arm_tokens: pd.DataFrame, ref_tokens: pd.DataFrame, seed: int 
     a, r = per_sequence(arm_tokens), per_sequence(ref_tokens)
     common = a.index.intersection(r.index)
     a, r = a.loc[common], r.loc[common]
-    rng = np.random.default_rng(seed)
     keys = (("mean_abs_dlogp", "abs_sum"), ("kl_k3", "k3_sum"))
     boots: dict[str, list[np.ndarray]] = {key: [] for key, _ in keys}
-    for start in range(0, BOOTSTRAP, BOOTSTRAP_CHUNK):  # the same resampled sequences for every metric
-        idx = rng.integers(0, len(common), (min(BOOTSTRAP_CHUNK, BOOTSTRAP - start), len(common)))
+    for idx in _resamples(len(common), seed):  # the same resampled sequences for every metric
         for key, col in keys:
             boots[key].append(a[col].to_numpy()[idx].sum(1) / r[col].to_numpy()[idx].sum(1) - 1)
     out = {}
@@ -95,11 +101,7 @@ def mean_interval(sums: np.ndarray, counts: np.ndarray, seed: int = 0) -> dict:
     percentile interval from a bootstrap over sequences (:data:`BOOTSTRAP` resamples, fixed seed, as
     :func:`paired_change`): ``{"value", "low", "high"}``."""
     sums, counts = np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)
-    rng = np.random.default_rng(seed)
-    boots = []
-    for start in range(0, BOOTSTRAP, BOOTSTRAP_CHUNK):
-        idx = rng.integers(0, len(sums), (min(BOOTSTRAP_CHUNK, BOOTSTRAP - start), len(sums)))
-        boots.append(sums[idx].sum(1) / counts[idx].sum(1))
+    boots = [sums[idx].sum(1) / counts[idx].sum(1) for idx in _resamples(len(sums), seed)]
     lo, hi = np.percentile(np.concatenate(boots), [2.5, 97.5])
     return {"value": float(sums.sum() / counts.sum()), "low": float(lo), "high": float(hi)}
 

@@ -45,13 +45,11 @@ def _kept(split: pd.DataFrame) -> pd.DataFrame:
     return split[np.isfinite(split["logp_sampler_processed"].astype(float))]
 
 
-def _pairs(split: pd.DataFrame, part: str) -> pd.DataFrame:
-    """The split as the two columns whose difference is ``part`` (the probe's token-table shape)."""
-    reported = "logp_sampler_processed" if part == "truncation" else "logp_sampler_raw"
-    first, second = {"rounding": ("logp_recompute", "logp_sampler_scaled"),
-                     "truncation": ("logp_sampler_scaled", reported),
-                     "temperature": ("logp_sampler_scaled", reported)}[part]
-    return pd.DataFrame({"seq": split["seq"], "logp_trainer": split[first], "logp_sampler": split[second]})
+def _rounding_pairs(split: pd.DataFrame) -> pd.DataFrame:
+    """The split as the two columns whose difference is its rounding part, in the probe's token-table shape
+    (what :func:`~analysis.paired.paired_change` pairs)."""
+    return pd.DataFrame({"seq": split["seq"], "logp_trainer": split["logp_recompute"],
+                         "logp_sampler": split["logp_sampler_scaled"]})
 
 
 def sampling_table(results: Path) -> pd.DataFrame:
@@ -85,8 +83,8 @@ def sampling_table(results: Path) -> pd.DataFrame:
             changes.append((math.nan, math.nan, math.nan))
             continue
         ref = splits[(row.model, row.setting, sampler.config.iloc[0])]
-        c = paired_change(_pairs(splits[(row.model, row.setting, row.config)], "rounding"),
-                          _pairs(ref, "rounding"))["mean_abs_dlogp"]
+        c = paired_change(_rounding_pairs(splits[(row.model, row.setting, row.config)]),
+                          _rounding_pairs(ref))["mean_abs_dlogp"]
         changes.append((c["change"], c["low"], c["high"]))
     df["rounding_change"], df["rounding_change_low"], df["rounding_change_high"] = zip(*changes)
     # the untransformed setting first: temperature and top-p falling, top-k off first, processed before raw
