@@ -107,32 +107,6 @@ def test_a_grids_arm_may_set_the_trainers_precision_and_is_held_to_its_refusals(
         check_config(_with_grids(tmp_path, {"g": bad}))
 
 
-@pytest.mark.engine
-def test_a_grids_entry_runs_is_tabled_and_is_not_run_again(tmp_path):
-    """A grid written only in YAML: two arms of one seed (one sampler side: the same vLLM engine) in one
-    process (arms_per_process), a table
-    with a row per run from the one run loader, and nothing to do the second time."""
-    grids = {"arms": {"base": "experiments/train/collapse-walk.yaml", "seeds": [0], "overrides": {**RUN, "model": "tiny-qwen3"},
-                      "arms_per_process": 2, "resources": {"mem_mb": 3500, "runtime": 9},
-                      "axes": {"lr": {"hi": {"learning_rate": 1e-3}, "lo": {"learning_rate": 1e-5}}}}}
-    config = _with_grids(tmp_path, grids)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
-    dry = snakemake("-n", "--cores", "2", "grids", "--configfile", str(cfg))
-    assert dry.returncode == 0, tail(dry)
-    assert "mem_mb=3500" in dry.stdout and "runtime=18" in dry.stdout  # one process of two runs
-    proc = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
-    assert proc.returncode == 0, tail(proc, 6000)
-    r = tmp_path / "r"
-    assert (r / "grids/arms/hi+lo/seed0.json").is_file()
-    table = pd.read_csv(r / "tables/grids/arms.csv")
-    assert list(table["lr"]) == ["hi", "lo"] and set(table["state"]) == {"finished"}
-    assert (table["steps"] == 2).all() and table["reward_auc"].notna().all()
-    assert "### grid arms" in (r / "tables/grids/arms.md").read_text()
-    again = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
-    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
-
-
 def test_the_documented_grids_entry_is_a_valid_config(tmp_path):
     """docs/pipeline.md's example entry, as written, passes the schema and the config check: 2 x 2 labels
     less the one combination it excludes, times 3 seeds."""
@@ -157,11 +131,14 @@ def test_the_documented_preset_entry_is_a_valid_config(tmp_path):
 
 @pytest.mark.engine
 def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
-    """The README's recipe "add an arm": the cheapest grids: entry (one arm, tiny model, 2 steps) is run,
-    then one more label is written on its axis in the YAML and nothing else; the next `snakemake grids`
-    runs the new cell only and the entry's table gains its row (the first run is not run again)."""
+    """The README's recipe "add an arm", on a grid written only in YAML: the cheapest grids: entry (one arm, tiny
+    model, 2 steps) is run and tabled; then one more label is written on its axis in the YAML and nothing else.
+    The two arms of the seed share one sampler side, so with ``arms_per_process: 2`` they are now one job of
+    one process (its resources doubled); the next `snakemake grids` runs the new cell only (the first run is
+    not run again), the entry's table has a row per run from the one run loader, and the third has nothing to do."""
     entry = {"base": "experiments/train/collapse-walk.yaml", "seeds": [0], "overrides": {**RUN, "model": "tiny-qwen3"},
-             "resources": {"mem_mb": 3500, "runtime": 9}, "axes": {"lr": {"hi": {"learning_rate": 1e-3}}}}
+             "arms_per_process": 2, "resources": {"mem_mb": 3500, "runtime": 9},
+             "axes": {"lr": {"hi": {"learning_rate": 1e-3}}}}
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(_with_grids(tmp_path, {"arms": entry}), sort_keys=False))
     proc = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
@@ -172,14 +149,22 @@ def test_an_arm_added_in_yaml_only_reaches_the_table(tmp_path):
     config = yaml.safe_load(cfg.read_text())  # the copy of the config with one more arm, nothing else changed
     config["grids"]["arms"]["axes"]["lr"]["lo"] = {"learning_rate": 1e-5}
     cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    dry = snakemake("-n", "--cores", "2", "grids", "--configfile", str(cfg))
+    assert dry.returncode == 0, tail(dry)
+    assert "mem_mb=3500" in dry.stdout and "runtime=18" in dry.stdout  # one process of two runs
     proc = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
     assert proc.returncode == 0, tail(proc, 6000)
+    assert (r / "grids/arms/hi+lo/seed0.json").is_file()
     table = pd.read_csv(r / "tables/grids/arms.csv")
     assert list(table["lr"]) == ["hi", "lo"] and set(table["state"]) == {"finished"}
+    assert (table["steps"] == 2).all() and table["reward_auc"].notna().all()
+    assert "### grid arms" in (r / "tables/grids/arms.md").read_text()
     assert (r / "grids/arms/hi/seed0/summary.json").stat().st_mtime_ns == first  # the first arm not run again
     manifest = json.loads((r / "grids/arms/manifest.json").read_text())
     assert manifest["axes"] == {"lr": ["hi", "lo"]}
     assert [c["cell"] for c in manifest["cells"]] == ["arms/hi/seed0", "arms/lo/seed0"]
+    again = snakemake("--cores", "2", "grids", "--configfile", str(cfg))
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, tail(again)
 
 
 # ---------------------------------------------------------------- grids: entries of a preset kind (dose, study)

@@ -363,18 +363,45 @@ def test_blow_up_is_recorded_as_collapse_with_summary(tiny_dirs, tmp_path):
         assert "abort_gap" in summary["error"]
 
 
+ALIGNED_RUNS = {
+    # test_kl_reference_model_scores_like_the_policy_and_stays_frozen
+    "kl": {"beta": 0.04, "steps": 3, "checkpoint_every": 3, "gradient_checkpointing": False, "vllm_enforce_eager": True},
+    # test_run_killed_before_its_init_model_was_written_resumes (its folder prepared first)
+    "init-killed": {"steps": 2, "warm_start": {"steps": 0}},
+    # test_a_finished_run_without_kept_checkpoints_deletes_them_and_stays_finished
+    "no-checkpoints": {"steps": 2, "warm_start": {"steps": 0}, "keep_checkpoints": False},
+}
+"""Short runs of :data:`BASE` (every region aligned) that the tests below read, each named by its test."""
+
+
+@pytest.fixture(scope="module")
+def aligned_runs(tiny_dirs, tmp_path_factory):
+    """Every run of :data:`ALIGNED_RUNS` in one ``rpa train`` process (one region set: the imports paid once),
+    run once for the tests that read them: ``(the process, {arm: (its config file, its run folder)})``. The
+    ``init-killed`` run's folder holds only its config.json at the start, as a kill between writing that and
+    init_model/ leaves it."""
+    root = tmp_path_factory.mktemp("aligned-runs")
+    args, runs = ["-m", "rpa.cli", "train"], {}
+    for name, overrides in ALIGNED_RUNS.items():
+        cfg_dict = {"model": str(tiny_dirs["qwen3"]), **BASE, **overrides}
+        cfg, out = root / f"{name}.yaml", root / name
+        cfg.write_text(yaml.safe_dump(cfg_dict))
+        if name == "init-killed":
+            out.mkdir()
+            (out / "config.json").write_text(json.dumps(TrainConfig.from_dict(cfg_dict).to_dict(), indent=2) + "\n")
+        args += ["--config", str(cfg), "--out", str(out)]
+        runs[name] = (cfg, out)
+    return run_py(args, timeout=900), runs
+
+
 @pytest.mark.engine
-def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(tiny_dirs, tmp_path):
+def test_kl_reference_model_scores_like_the_policy_and_stays_frozen(aligned_runs):
     """beta > 0: TRL loads the reference from the checkpoint as a stock model; rpa aligns it
     like the policy. At step 1 (policy = reference, same numerics) the KL is exactly 0; later
     the policy moves and the frozen reference does not, so the KL grows."""
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), **BASE, "beta": 0.04, "steps": 3,
-                                   "checkpoint_every": 3, "gradient_checkpointing": False,
-                                   "vllm_enforce_eager": True}))
-    out = tmp_path / "run"
-    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)])
+    proc, runs = aligned_runs
     assert proc.returncode == 0, tail(proc)
+    out = runs["kl"][1]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["kl"] == 0.0, records[0]["kl"]
@@ -431,36 +458,29 @@ def test_micro_batching_must_add_up():
 
 
 @pytest.mark.engine
-def test_run_killed_before_its_init_model_was_written_resumes(tiny_dirs, tmp_path):
+def test_run_killed_before_its_init_model_was_written_resumes(aligned_runs):
     """A kill between writing config.json and init_model/: the rerun prepares init_model itself
     (it must not wait for another rank to write it)."""
-    cfg_dict = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "warm_start": {"steps": 0}}
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(cfg_dict))
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(TrainConfig.from_dict(cfg_dict).to_dict(), indent=2) + "\n")
-    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
+    proc, runs = aligned_runs
     assert proc.returncode == 0, tail(proc)
+    out = runs["init-killed"][1]
     assert (out / "init_model/config.json").exists()
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
-def test_a_finished_run_without_kept_checkpoints_deletes_them_and_stays_finished(tiny_dirs, tmp_path):
+@pytest.mark.engine
+def test_a_finished_run_without_kept_checkpoints_deletes_them_and_stays_finished(aligned_runs):
     """keep_checkpoints: false -- the summary is written, then the checkpoints go; started again the
     run does nothing (its summary, not a checkpoint, says it is done)."""
-    cfg_dict = {"model": str(tiny_dirs["qwen3"]), **BASE, "steps": 2, "warm_start": {"steps": 0},
-                "keep_checkpoints": False}
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(cfg_dict))
-    out = tmp_path / "run"
-    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
+    proc, runs = aligned_runs
     assert proc.returncode == 0, tail(proc)
+    cfg, out = runs["no-checkpoints"]
     summary = (out / "summary.json").read_text()
     assert json.loads(summary)["status"] == "ok" and not list(out.glob("checkpoint-*"))
     again = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(out)], timeout=600)
     assert again.returncode == 0, tail(again)
     assert (out / "summary.json").read_text() == summary and not list(out.glob("checkpoint-*"))
+    cfg_dict = yaml.safe_load(cfg.read_text())
     for bad in ("no", 0):
         with pytest.raises(TrainConfigError, match="keep_checkpoints"):
             TrainConfig.from_dict({**cfg_dict, "keep_checkpoints": bad})
