@@ -222,15 +222,25 @@ def test_vllm_throughput_benchmark_runs(tiny_dirs, tmp_path):
     assert [r["regions"] for r in rows] == ["none", "all"] and all(r["decode_tok_s"] > 0 for r in rows)
 
 
-def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_path):
-    """``rpa prompts`` writes a task's prompts; ``rpa probe --prompts-file`` samples from them, a
-    conversation rendered with the model's chat template, and records the file by its content."""
-    model = tiny_dirs["llama"]
-    prompts = tmp_path / "chat.jsonl"
+@pytest.fixture(scope="module")
+def llama_chat(tiny_dirs, tmp_path_factory):
+    """``rpa prompts`` of a task in chat form and ``rpa probe`` of the tiny Llama sampling them (every region
+    aligned): ``(the prompts file, the probe's summary, its folder)``; run once for the two tests below."""
+    root = tmp_path_factory.mktemp("llama-chat")
+    prompts = root / "chat.jsonl"
     proc = run_py(["-m", "rpa.cli", "prompts", "--task", "synthetic-add", "--prompt-format", "chat",
                    "--num-prompts", "6", "--out", str(prompts)])
     assert proc.returncode == 0 and "6 prompts" in proc.stdout, tail(proc)
-    summary = probe(model, tmp_path / "p", "--regions", "all", "--prompts", "4", "--prompts-file", str(prompts))
+    summary = probe(tiny_dirs["llama"], root / "p", "--regions", "all", "--prompts", "4", "--prompts-file",
+                    str(prompts))
+    return prompts, summary, root / "p"
+
+
+def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_path, llama_chat):
+    """``rpa prompts`` writes a task's prompts; ``rpa probe --prompts-file`` samples from them, a
+    conversation rendered with the model's chat template, and records the file by its content."""
+    model = tiny_dirs["llama"]
+    prompts, summary, folder = llama_chat
     assert summary["config"]["options"]["prompts_file"] == str(prompts)
     from transformers import AutoTokenizer
 
@@ -238,10 +248,10 @@ def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_
     first = json.loads(prompts.read_text().splitlines()[0])["prompt"]
     want = tokenizer(tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False).input_ids
-    sampled = [json.loads(line) for line in (tmp_path / "p" / "completions.jsonl").read_text().splitlines()]
+    sampled = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines()]
     opened = tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids  # the assistant's turn
     assert sampled[0]["prompt_ids"] == want and want[-len(opened):] == opened
-    recorded = json.loads((tmp_path / "p" / "options.json").read_text())["options"]
+    recorded = json.loads((folder / "options.json").read_text())["options"]
     assert recorded["prompts_file_sha1"] and recorded["prompts_file"] == str(prompts)
     # too few prompts in the file: one line, before an engine starts
     proc = run_py(["-m", "rpa.cli", "probe", "--model", str(model), "--regions", "all", "--out", str(tmp_path / "q"),
@@ -249,13 +259,13 @@ def test_probe_samples_a_tasks_prompts_through_the_chat_template(tiny_dirs, tmp_
     assert proc.returncode == 2 and "6 prompts, --prompts asks for 9" in proc.stderr, tail(proc)
 
 
-def test_attribution_swaps_vllms_kernels_in_and_replays_every_op(tiny_dirs, tmp_path):
+def test_attribution_swaps_vllms_kernels_in_and_replays_every_op(tiny_dirs, tmp_path, llama_chat):
     """``rpa attribute`` on a tiny Llama: the rungs score the same tokens as the sampler; every op of
     vLLM's prefill is replayed through the trainer on vLLM's inputs. With every region aligned the
-    norms, RoPE and SwiGLU give vLLM's bits (the parity contract, seen op by op); stock, they do not."""
+    norms, RoPE and SwiGLU give vLLM's bits (the parity contract, seen op by op); stock, they do not.
+    The completions: the chat-template probe's (8 sequences, the first 6 attributed)."""
     model = tiny_dirs["llama"]
-    none = probe(model, tmp_path / "none", "--regions", "none")
-    completions = str(tmp_path / "none" / "completions.jsonl")
+    completions = str(llama_chat[2] / "completions.jsonl")
     out = {}
     for regions in ("all", "none"):
         proc = run_py(["-m", "rpa.cli", "attribute", "--model", str(model), "--regions", regions, "--completions",
@@ -273,7 +283,7 @@ def test_attribution_swaps_vllms_kernels_in_and_replays_every_op(tiny_dirs, tmp_
         assert aligned["local_ops"][op]["frac_bitwise_equal"] == 1.0, (op, aligned["local_ops"][op])
     assert stock["local_ops"]["rope"]["frac_bitwise_equal"] < 1.0  # stock RoPE rounds three times on HF's side
     assert stock["local_ops"]["post_norm"]["frac_bitwise_equal"] < 1.0  # vLLM norms the unrounded sum
-    assert none["mean_abs_dlogp"] > 0 and aligned["rungs"]["trainer"]["mean_abs_dlogp"] > 0
+    assert aligned["rungs"]["trainer"]["mean_abs_dlogp"] > 0
     rows = list(csv_rows(tmp_path / "attr-all" / "ops.csv"))
     assert {r["op"] for r in rows} == set(aligned["local_ops"]) and all(int(r["elements"]) > 0 for r in rows)
 
