@@ -17,8 +17,25 @@ def mistral_dir(tmp_path_factory):
 
 
 def rpa(*args, timeout=120):
+    """``rpa ARGS`` in a process of its own: the refusal as a user sees it (exit code, stderr)."""
     proc = run_py(["-m", "rpa.cli", *map(str, args)], timeout=timeout)
     return proc
+
+
+def rpa_here(*args):
+    """``rpa ARGS`` in this process (``rpa.cli.main``, as conftest's ``refused``): every case below is refused
+    before a model or an engine loads, so a process of its own would only pay the imports again (~3 s each);
+    its exit code and what it wrote, as a finished process's. test_missing_model_directory keeps the process."""
+    import contextlib
+    import io
+    import subprocess
+
+    from rpa.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(["rpa", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def one_line_refusal(proc, needle):
@@ -34,12 +51,12 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_directory_that_is_not_a_checkpoint(tmp_path):
-    one_line_refusal(rpa("probe", "--model", tmp_path, "--regions", "all", "--out", tmp_path / "o"),
+    one_line_refusal(rpa_here("probe", "--model", tmp_path, "--regions", "all", "--out", tmp_path / "o"),
                      "directory without config.json")
 
 
 def test_unsupported_architecture_is_refused_before_vllm_starts(mistral_dir, tmp_path):
-    proc = rpa("parity", "--model", mistral_dir, "--regions", "all", "--out", tmp_path / "p.json")
+    proc = rpa_here("parity", "--model", mistral_dir, "--regions", "all", "--out", tmp_path / "p.json")
     one_line_refusal(proc, "model_type='mistral'")
     assert "vllm" not in proc.stderr.lower().replace("rpa parity", "")  # no engine log lines
 
@@ -53,13 +70,13 @@ def test_unsupported_architecture_is_refused_before_vllm_starts(mistral_dir, tmp
 def test_bad_completions_file(tiny_dirs, tmp_path, content, needle):
     path = tmp_path / "completions.jsonl"
     path.write_text(content)
-    one_line_refusal(rpa("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+    one_line_refusal(rpa_here("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
                          "--completions", path), needle)
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_completions_file(tiny_dirs, tmp_path):
-    one_line_refusal(rpa("diagnose", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+    one_line_refusal(rpa_here("diagnose", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
                          "--completions", tmp_path / "nope.jsonl"), "no such file")
 
 
@@ -68,12 +85,12 @@ def test_trainer_on_another_device_type_than_vllm(tiny_dirs, tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("on a CUDA machine vLLM and the trainer can both be on cuda")
-    one_line_refusal(rpa("parity", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "p.json",
+    one_line_refusal(rpa_here("parity", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "p.json",
                          "--device", "cuda"), "vLLM runs on 'cpu' here")
 
 
 def test_bad_device_name(tiny_dirs, tmp_path):
-    one_line_refusal(rpa("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
+    one_line_refusal(rpa_here("probe", "--model", tiny_dirs["qwen3"], "--regions", "all", "--out", tmp_path / "o",
                          "--device", "gpu0"), "device 'gpu0' is not one of")
 
 
@@ -84,7 +101,7 @@ def test_bad_device_name(tiny_dirs, tmp_path):
 def test_missing_task_data(tiny_dirs, tmp_path, task, needle):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), "task": task}))
-    proc = rpa("train", "--config", cfg, "--out", tmp_path / "run")
+    proc = rpa_here("train", "--config", cfg, "--out", tmp_path / "run")
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, tail(proc)
     assert not (tmp_path / "run").exists()
 
@@ -92,14 +109,14 @@ def test_missing_task_data(tiny_dirs, tmp_path, task, needle):
 def test_train_with_missing_model(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": "/nonexistent/model"}))
-    one_line_refusal(rpa("train", "--config", cfg, "--out", tmp_path / "run"), "no such directory")
+    one_line_refusal(rpa_here("train", "--config", cfg, "--out", tmp_path / "run"), "no such directory")
 
 
 def test_every_prompt_too_long(tiny_dirs, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": str(tiny_dirs["qwen3"]), "max_prompt_length": 2,
                                    "task": {"name": "synthetic-add", "num_prompts": 8}}))
-    one_line_refusal(rpa("train", "--config", cfg, "--out", tmp_path / "run"),
+    one_line_refusal(rpa_here("train", "--config", cfg, "--out", tmp_path / "run"),
                      "every prompt of the task is longer than 2 tokens")
     assert not (tmp_path / "run" / "config.json").exists()  # nothing of a run was written
 
