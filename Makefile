@@ -8,8 +8,11 @@ CORES       ?= 2
 # one file on one worker: the `slurm` tests share one cluster on this machine, and a module's shared fixtures
 # (one engine, one pipeline run) are made once (pytest-xdist 3.8's loadgroup did not group here: measured);
 # --no-loadscope-reorder: files go out in tests/conftest.py's order, the dearest first (xdist's own order,
-# most tests first, left the few long SLURM tests to run alone at the end)
-TEST_WORKERS ?= 2
+# most tests first, left the few long SLURM tests to run alone at the end). Three workers on 2 cores: a third of
+# the suite's time is waiting (the SLURM test on its jobs and the plugin's status checks, sleeps, Snakemake),
+# and the third worker fills the cores meanwhile -- 12 min 19 s against 14 min 9 s with two, fresh clone, this
+# 2-core machine (docs/testing.md)
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
