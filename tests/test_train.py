@@ -700,8 +700,9 @@ def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
 
 
 def _bf16_runs(tiny_dirs, tmp_path, arms: dict[str, dict]) -> dict[str, list[dict]]:
-    """``rpa train`` of short stock-BF16 runs on the tiny Qwen3 (warm-started, the sampler's old
-    logprobs), one per arm with its overrides, all in one process (as a grid job runs several runs:
+    """``rpa train`` of short runs of the stock sampler's region set (none; by default BF16 on the tiny Qwen3,
+    warm-started, the sampler's old logprobs), one per arm with its overrides (precision and model included), all
+    in one process (as a grid job runs several runs:
     the imports paid once; test_runs_sharing_a_process_give_the_numbers_each_gives_alone shows a run
     computes there what it computes alone); each run's metric records."""
     args = ["-m", "rpa.cli", "train"]
@@ -739,7 +740,8 @@ STOCK_ARMS = {
     "raw": dict(steps=2, checkpoint_every=2, warm_start={"steps": 0}, temperature=0.7, logprobs="raw",
                 old_logprobs="trainer", gradient_checkpointing=False),
 }
-"""The short runs of the stock-BF16 sampler (region set none) that the tests below read, each named by its test."""
+"""The short runs of the stock sampler's region set (none; BF16 unless an arm says FP32) that the tests below read,
+each named by its test."""
 TIED_ARM = dict(steps=3, checkpoint_every=3, numerics={"regions": "none", "precision": "fp32"}, warm_start={"steps": 0},
                old_logprobs="sampler", vllm_enforce_eager=False)  # the grid runs' compiled engine, synced
 """test_a_tied_models_sampler_follows_every_weight_sync's run (on a tiny Llama with tied embeddings, made by

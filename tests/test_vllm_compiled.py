@@ -15,8 +15,9 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def compiled(tiny_dirs, tmp_path_factory):
-    """The tiny Qwen3's compiled engines, each region set in its own process, all compiling from scratch into
-    one fresh cache, ``compiled.cache`` (no other root), which the compile-cache test reads; run once for the
+    """The tiny Qwen3's compiled engines, each region set in its own process, all into one cache that starts
+    empty, ``compiled.cache`` (no other root), which the compile-cache test reads (the `all` samples' compiled
+    engine may load what ``parity --compiled`` compiled there: same region set, same cache root); run once for the
     tests below (on parallel workers they go to one worker: the Makefile's --dist loadfile).
 
     ``compiled.parity``: ``rpa parity --compiled`` with every region aligned (its process and report);
@@ -65,7 +66,8 @@ def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
     a partial set of them is test_vllm.py's eager parity.)"""
     proc, report = parity(tiny_dirs["llama"], regions, tmp_path / "parity.json", "--compiled")
     assert proc.returncode == 0, tail(proc)
-    assert report["passed"] and all(r["calls"] > 0 and r["elements_checked"] == r["elements_equal"]
+    assert set(report["regions_report"]) == ({"rope", "swiglu", "rmsnorm"} if regions == "all" else {regions})
+    assert report["passed"] and all(r["calls"] > 0 and r["elements_checked"] == r["elements_equal"] > 0
                                     for r in report["regions_report"].values())
     gap = report["compiled_vs_eager"]["compiled"]
     if regions == "all":
