@@ -65,14 +65,13 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
         return path
     grid = json.loads(grid_json.read_text())
     decision = grid["decision"]
-    parts.append(escape(f"The grid (FP32, stock BF16 and all three regions aligned, at several learning "
-                        f"rates and four seeds, judged by the collapse rule and decision rule written in its "
-                        f"config before it ran): {decision['statement']}"))
-    parts += _stage_groups(grid, "Natural-collapse search: the grid's finished runs per group", "tab:searchgrid")
-    parts += _stage_notes(grid)
-    parts += _figure(figures / "search_grid.png", "The natural-collapse search, grid: reward (top) and in-training "
-                     "mismatch (bottom, log scale) per step, one column per learning rate; line: mean over the four "
-                     "seeds, band: their range.", "fig:searchgrid")
+    parts += _stage_section(grid, "The grid (FP32, stock BF16 and all three regions aligned, at several learning "
+                            "rates and four seeds, judged by the collapse rule and decision rule written in its "
+                            "config before it ran): ",
+                            ("Natural-collapse search: the grid's finished runs per group", "tab:searchgrid"),
+                            (figures / "search_grid.png", "The natural-collapse search, grid: reward (top) and "
+                             "in-training mismatch (bottom, log scale) per step, one column per learning rate; line: "
+                             "mean over the four seeds, band: their range.", "fig:searchgrid"))
     if decision.get("outcome") == "collapses naturally":
         parts.append(escape("The study's two claims are tested at the collapsing rung(s) by the ablation stage."))
     elif decision.get("outcome") == "does not collapse naturally":
@@ -83,14 +82,13 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
         lever_json = tables / "search_lever.json"
         lever = json.loads(lever_json.read_text()) if lever_json.exists() else None
         if lever is not None:
-            parts.append(escape(f"The further lever, written in the config before any of it ran: "
-                                f"{_settings_text(lever.get('envelope') or {})}; the grid's arms, seeds, warm "
-                                f"starts and rules. {lever['decision']['statement']}"))
-            parts += _stage_groups(lever, "Natural-collapse search: the lever stage per group", "tab:searchlever")
-            parts += _stage_notes(lever)
-            parts += _figure(figures / "search_lever.png", "The natural-collapse search, lever stage (4 optimizer "
-                             "updates per generated batch): reward (top) and in-training mismatch (bottom, log scale) "
-                             "per logged step; line: mean over the four seeds, band: their range.", "fig:searchlever")
+            parts += _stage_section(
+                lever, f"The further lever, written in the config before any of it ran: "
+                       f"{_settings_text(lever.get('envelope') or {})}; the grid's arms, seeds, warm starts and rules. ",
+                ("Natural-collapse search: the lever stage per group", "tab:searchlever"),
+                (figures / "search_lever.png", "The natural-collapse search, lever stage (4 optimizer updates per "
+                 "generated batch): reward (top) and in-training mismatch (bottom, log scale) per logged step; line: "
+                 "mean over the four seeds, band: their range.", "fig:searchlever"))
         else:
             parts.append(escape("The further lever (the config's lever stage) has not run yet."))
         parts.append(_claims_text(grid, lever))
@@ -276,6 +274,13 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
     parts += _decode_table(probes)
     write_text(path, "\n\n".join(parts) + "\n")
     return path
+
+
+def _stage_section(stage: dict, intro: str, table: tuple[str, str], figure: tuple[Path, str, str]) -> list[str]:
+    """A search stage's part of the section: ``intro`` and the stage's decision statement, its groups' table
+    (caption, label), its notes and its figure (path, caption, label)."""
+    return [escape(f"{intro}{stage['decision']['statement']}"), *_stage_groups(stage, *table), *_stage_notes(stage),
+            *_figure(*figure)]
 
 
 def _figure(path: Path, caption: str, label: str) -> list[str]:
