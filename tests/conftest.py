@@ -17,12 +17,15 @@ SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
 
 def pytest_configure(config):
     """A parallel worker (pytest-xdist) gets its own vLLM compile-cache base: two processes
-    compiling the same configuration at once would write one cache entry together."""
+    compiling the same configuration at once would write one cache entry together. The model-info
+    cache (atomic files, nothing of the region set) stays one for all workers."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        from rpa.sides.engine import CACHE_BASE_ENV, cache_base
+        from rpa.sides.engine import CACHE_BASE_ENV, cache_base, share_model_info_cache
 
-        os.environ[CACHE_BASE_ENV] = os.path.join(cache_base(), f"pytest-{worker}")
+        base = cache_base()
+        os.environ[CACHE_BASE_ENV] = os.path.join(base, f"pytest-{worker}")
+        share_model_info_cache(os.environ[CACHE_BASE_ENV], base)
 
 
 KIND_SECONDS = {"slurm": 100.0, "engine": 20.0, "cli": 3.0, "unit": 0.2}

@@ -270,6 +270,26 @@ def test_compile_cache_keys_differ_by_region_set_and_dose():
     assert compile_cache_key(trainer_only) == compile_cache_key(numerics("none", None))
 
 
+def test_region_roots_share_one_model_info_cache(tmp_path):
+    """Each region set's root links vLLM's model-info folder to one under the base (relative, so the cache
+    folder can move); linking again changes nothing, and a root with a folder of its own keeps it (the engine
+    test in test_vllm_compiled.py shows vLLM writing through the link)."""
+    from rpa.sides.engine import share_model_info_cache
+
+    base = tmp_path / "cache"
+    for key in ("rpa-none-kernels-reference", "rpa-all-kernels-reference", "rpa-none-kernels-reference"):
+        share_model_info_cache(str(base / key), str(base))
+    for key in ("rpa-none-kernels-reference", "rpa-all-kernels-reference"):
+        link = base / key / "modelinfos"
+        assert link.is_symlink() and str(link.readlink()) == "../modelinfos" and link.resolve() == base / "modelinfos"
+    (base / "rpa-rope-kernels-reference" / "modelinfos").mkdir(parents=True)
+    share_model_info_cache(str(base / "rpa-rope-kernels-reference"), str(base))
+    assert not (base / "rpa-rope-kernels-reference" / "modelinfos").is_symlink()
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    assert (moved / "rpa-all-kernels-reference" / "modelinfos").resolve() == moved / "modelinfos"
+
+
 def test_a_region_set_reaches_the_sides_only_inside_a_numerics_config(tiny_dirs):
     """Past the CLI / config boundary the region set is a NumericsConfig: the sides' entry points
     refuse its text or a bare set (once they parsed it themselves, each its own way), and the

@@ -79,14 +79,20 @@ def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
 
 def test_compiled_region_sets_do_not_share_compile_caches(compiled):
     """vLLM's compile-cache key holds neither RPA_REGIONS nor the custom-op set: each region
-    set compiles under its own cache root, so one cannot load another's graphs."""
+    set compiles under its own cache root, so one cannot load another's graphs. What holds nothing of the region
+    set is shared: vLLM's model-info cache (one inspection of Qwen3's class, written by vLLM through each root's
+    link into the one folder, which started empty)."""
     assert compiled.parity[0].returncode == 0, tail(compiled.parity[0])
     compiled.sampled("none")
     cache = compiled.cache
-    roots = sorted(p.name for p in cache.iterdir())
+    roots = sorted(p.name for p in cache.iterdir() if p.name != "modelinfos")
     assert roots == ["rpa-all-kernels-reference", "rpa-none-kernels-reference"], roots
     for root in roots:
         assert any((cache / root / "torch_compile_cache").rglob("*")), root  # each compiled into its own
+        link = cache / root / "modelinfos"
+        assert link.is_symlink() and link.resolve() == (cache / "modelinfos").resolve(), root
+    written = sorted(p.name for p in (cache / "modelinfos").iterdir())
+    assert written == ["vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json"], written
 
 
 def test_aligned_eager_and_compiled_agree_bitwise(compiled):

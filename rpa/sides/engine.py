@@ -154,16 +154,40 @@ def compile_cache_key(numerics: NumericsConfig) -> str:
     return f"rpa-{region_label(regions)}{dose}-kernels-{kernels['cuda'] or kernels['cpu']}"
 
 
+MODEL_INFO_CACHE = "modelinfos"
+"""vLLM's cache of each model class's inspected properties, ``VLLM_CACHE_ROOT/modelinfos`` (vllm 0.32,
+``_LazyRegisteredModel``): one JSON file per class, keyed by the hash of the class's source file -- nothing of
+the region set. A miss costs a subprocess that imports vLLM and the model's module (~6 s of CPU on 2 cores)."""
+
+
+def share_model_info_cache(root: str, base: str) -> None:
+    """Point the per-configuration root's :data:`MODEL_INFO_CACHE` at one folder under ``base``, so that
+    a model class is inspected once, not once per region set (:func:`compile_cache_key` separates the
+    compiled graphs only). A root that already has its own folder keeps it (vLLM reads either); two
+    processes linking at once leave one link."""
+    shared = os.path.join(base, MODEL_INFO_CACHE)
+    link = os.path.join(root, MODEL_INFO_CACHE)
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    if not os.path.lexists(link):
+        try:
+            os.symlink(os.path.relpath(shared, root), link)  # relative: the cache folder can move
+        except FileExistsError:
+            pass
+
+
 def make_llm_env(numerics: NumericsConfig, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
     """Set the environment a vLLM engine started after this call in this process reads, for a
     :class:`~rpa.core.numerics_config.NumericsConfig`: the plugin's region set
     (:func:`rpa.core.regions.to_env`) and sampler perturbation, their compile-cache root
-    (:func:`compile_cache_key`), in-process or multiprocess engine core, CPU KV-cache size."""
+    (:func:`compile_cache_key`; its model-info cache shared, :func:`share_model_info_cache`), in-process or
+    multiprocess engine core, CPU KV-cache size."""
     regions, bits = require_numerics(numerics, "make_llm_env").sampler_process_key
     os.environ.update(to_env(regions))
     os.environ[PERTURB_ENV] = "none" if bits is None else f"mantissa_bits={bits}"
     os.environ[CACHE_BASE_ENV] = cache_base()
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ[CACHE_BASE_ENV], compile_cache_key(numerics))
+    share_model_info_cache(os.environ["VLLM_CACHE_ROOT"], os.environ[CACHE_BASE_ENV])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     # collective_rpc ships the status/capture callables to the engine process by pickle.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
