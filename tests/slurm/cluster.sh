@@ -19,6 +19,8 @@
 #              the machine (SlurmdParameters=config_overrides); partitions `gpu` and `cpu` with a
 #              24-hour MaxTime enforced at submission (EnforcePartLimits=ALL). For `sbatch --test-only`
 #              only: a job submitted here would run on this machine.
+# PropagatePrioProcess=1: a job runs at the nice value of the process that submitted it (the tests' over-limit
+# jobs at 19: they only burn time the other tests leave idle).
 # No cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none) and no accounting storage (no
 # slurmdbd, no database): `sacct` answers "accounting storage is disabled", so Snakemake's plugin takes
 # `--slurm-status-command squeue`, with MinJobAge high enough that squeue still lists a finished job.
@@ -134,6 +136,7 @@ SelectType=select/cons_tres
 ReturnToService=2
 MinJobAge=3600
 KillWait=5
+PropagatePrioProcess=1
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=60
