@@ -15,10 +15,20 @@ SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
 """How a test starts a process (the helpers here and in the test modules)."""
 
 
+VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
+"""Inductor's check of the CPU's vector ISAs: unset, every process that starts a vLLM engine compiles (once, cached)
+and then loads, each in a child Python, a probe library per ISA the CPU's flags list -- ~7 children a process,
+510 children and ~45 s of CPU in one ``make test`` here. The suite sets it to 1 (a user's own setting is kept):
+Inductor then takes the ISAs the CPU's flags list without the probe. The ISA picked is the one the probe picks where
+the probe passes, as it does on the machines this suite runs on; where it would fail, Inductor's compile fails
+loudly instead of falling back to a narrower ISA."""
+
+
 def pytest_configure(config):
     """A parallel worker (pytest-xdist) gets its own vLLM compile-cache base: two processes
     compiling the same configuration at once would write one cache entry together. The model-info
-    cache (atomic files, nothing of the region set) stays one for all workers."""
+    cache (atomic files, nothing of the region set) stays one for all workers. :data:`VEC_ISA_ENV`."""
+    os.environ.setdefault(VEC_ISA_ENV, "1")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         from rpa.sides.engine import CACHE_BASE_ENV, cache_base, share_model_info_cache
