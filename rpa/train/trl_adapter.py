@@ -41,6 +41,7 @@ from rpa.measure.metrics import gap_split_metrics, mismatch_metrics
 from rpa.measure.scoring import (Transforms, sync_gap, token_logps_and_entropy, token_logps_and_entropy_per_row,
                                  trl_batch)
 from rpa.train.config import IS_CORRECTIONS, TrainConfig
+from rpa.train.engine_pool import EnginePool
 from rpa.train.loss_scale import DynamicLossScale
 from rpa.train.ranks import evaluation_group, wait_for_rank0
 from rpa.train.sync_check import check_sync_result, sync_threshold
@@ -56,60 +57,6 @@ class TRLVersionError(UserError):
 if trl.__version__ != TRL_VERSION:
     raise TRLVersionError(f"rpa's TRL adapter (rpa/train/trl_adapter.py) is written against trl {TRL_VERSION}, but "
                           f"trl {trl.__version__} is installed; install the lock (requirements/cpu.txt or gpu.txt)")
-
-
-ENGINE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", "rpa_init.json")
-"""Files of a checkpoint directory that do not make an engine: the weights (replaced when an
-engine is taken over) and rpa's own notes."""
-
-
-def checkpoint_layout(path: str) -> str:
-    """A fingerprint of what a vLLM engine reads from checkpoint ``path`` besides the weights
-    (``config.json``, the generation config, the tokenizer): two runs whose layouts are equal
-    can share an engine once the second run's weights are loaded into it."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    if not Path(path).is_dir():  # a hub id: nothing local to compare, so only the same id matches
-        return f"id:{path}"
-    for file in sorted(Path(path).iterdir()):
-        if file.is_file() and not file.name.endswith(ENGINE_FILES_SKIPPED):
-            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-class EnginePool:
-    """The colocated vLLM engine of the previous run of this process, kept for the next one
-    (``rpa train`` with several runs). TRL builds one engine per trainer; a run whose engine
-    would be built with the same arguments from a checkpoint of the same layout
-    (:func:`checkpoint_layout`) takes the kept one instead: seeded at once as a new engine
-    seeds itself (:func:`rpa.sides.engine.reseed_engine`), and given the run's weights before
-    anything reads it (:class:`RpaGRPOTrainer`). A run that fails drops the engine."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.llm = None
-
-    def get(self, build, kwargs: dict[str, Any]):
-        """The engine for ``build(**kwargs)``, and whether it was taken over (True) or built."""
-        from rpa.sides.engine import reseed_engine
-
-        key = (checkpoint_layout(kwargs["model"]),
-               tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "model")))
-        if self.llm is not None and key == self.key:
-            reseed_engine(self.llm)
-            return self.llm, True
-        self.drop()
-        self.llm, self.key = build(**kwargs), key
-        return self.llm, False
-
-    def drop(self) -> None:
-        from rpa.sides.engine import close_llm, release_memory
-
-        if self.llm is not None:
-            close_llm(self.llm)
-            self.llm, self.key = None, None
-            release_memory()
 
 
 @contextlib.contextmanager
