@@ -16,12 +16,13 @@ SUBPROCESS_CALL = re.compile(r"\b(run_py|snakemake|subprocess\.\w+|rpa)\(")
 
 
 VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
-"""Inductor's check of the CPU's vector ISAs: unset, every process that starts a vLLM engine compiles (once, cached)
-and then loads, each in a child Python, a probe library per ISA the CPU's flags list -- ~7 children a process,
-510 children and ~45 s of CPU in one ``make test`` here. The suite sets it to 1 (a user's own setting is kept):
-Inductor then takes the ISAs the CPU's flags list without the probe. The ISA picked is the one the probe picks where
-the probe passes, as it does on the machines this suite runs on; where it would fail, Inductor's compile fails
-loudly instead of falling back to a narrower ISA."""
+"""Inductor's base check of the CPU's vector ISAs: unset, every process that starts a vLLM engine compiles (once,
+cached) and then loads, each in a child Python, a probe library per ISA the CPU's flags list -- ~7 children a
+process, 510 children and ~45 s of CPU in one ``make test`` here. The suite sets it to 1 (a user's own setting is
+kept): Inductor skips that base probe and takes the ISAs the CPU's flags list; its further checks (AVX-512 BF16,
+VNNI, AMX) still run, so the ISA and build flags are the ones the probes pick where the base probe passes, as it
+does on the machines this suite runs on (where it would fail, Inductor's compile fails loudly instead of falling
+back to a narrower ISA). The setting is part of Inductor's cache key: the suite's compiled graphs are its own."""
 
 
 def pytest_configure(config):

@@ -288,6 +288,12 @@ def test_region_roots_share_one_model_info_cache(tmp_path):
     moved = tmp_path / "moved"
     base.rename(moved)
     assert (moved / "rpa-all-kernels-reference" / "modelinfos").resolve() == moved / "modelinfos"
+    # a link that leads nowhere (here: an absolute one into a folder since removed) is made again
+    stale = moved / "rpa-swiglu-kernels-reference" / "modelinfos"
+    stale.parent.mkdir()
+    stale.symlink_to(tmp_path / "gone" / "modelinfos")
+    share_model_info_cache(str(stale.parent), str(moved))
+    assert stale.is_symlink() and stale.resolve() == moved / "modelinfos"
 
 
 def test_a_region_set_reaches_the_sides_only_inside_a_numerics_config(tiny_dirs):

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -139,10 +140,30 @@ def _snakemake(args, env, timeout=900, **popen):
                           text=True, timeout=timeout, **popen)
 
 
+def _checkpoints(run: Path) -> list[int]:
+    """The steps of the run's checkpoints (``checkpoint-N`` folders), in order."""
+    return sorted(int(p.name.split("-", 1)[1]) for p in run.glob("checkpoint-*") if p.name.split("-", 1)[1].isdigit())
+
+
 def _squeue(env) -> list[dict]:
     out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i|%T|%k|%r"], env=env, capture_output=True,
                          text=True, check=True).stdout
     return [dict(zip(("id", "state", "comment", "reason"), line.split("|"))) for line in out.splitlines()]
+
+
+def _watch_nice(made: dict, needle: str) -> None:
+    """Set ``made["nice"]`` to the nice value of the first ``rpa train`` process whose command line holds
+    ``needle`` (field 19 of /proc/PID/stat), looking every 0.5 s while ``made["proc"]`` runs."""
+    while made["proc"].poll() is None and made["nice"] is None:
+        for stat in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                cmd = stat.read_bytes().replace(b"\0", b" ").decode()
+                if "rpa train" in cmd and needle in cmd:
+                    made["nice"] = int((stat.parent / "stat").read_text().rsplit(")", 1)[1].split()[16])
+                    return
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
@@ -152,8 +173,9 @@ def over_limit_run(slurm_cluster, tmp_path_factory):
     asks for it too, so that these jobs wait out their limits while that test's pipeline runs on the
     same cluster (SLURM shares the node's CPUs between the two); the limit test then waits for its end.
     Submitted at nice 19, which the cluster gives its jobs (PropagatePrioProcess): the over-time run trains until
-    SLURM stops it, and on a 2-core machine that minute of CPU is taken only where the other tests leave a core
-    idle (the limits are wall time and memory, which the nice value does not change)."""
+    SLURM stops it, and on a 2-core machine that minute of CPU is best spent at the lowest priority (the limits are
+    wall time and memory, which the nice value does not change). ``nice``: the nice value the over-time run's
+    training process was seen with (a thread reads /proc until it finds it)."""
     root = tmp_path_factory.mktemp("over-limit")
     results = root / "results"
     (root / "c").mkdir()
@@ -165,7 +187,10 @@ def over_limit_run(slurm_cluster, tmp_path_factory):
                              "--configfile", str(cfg), "--retries", "0", "--set-resources", "parity:mem_mb=500",
                              "parity:cpus_per_task=1"], cwd=REPO, env=slurm_cluster, stdout=log,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(19))
-    yield {"proc": proc, "log": root / "snakemake.log", "results": results, "cfg": cfg, "logdir": root / "slurm_logs"}
+    made = {"proc": proc, "log": root / "snakemake.log", "results": results, "cfg": cfg, "logdir": root / "slurm_logs",
+            "nice": None}
+    threading.Thread(target=_watch_nice, args=(made, f"{results}/train/tiny-qwen3/long/"), daemon=True).start()
+    yield made
     if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=120)
@@ -203,12 +228,11 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
     victim = results / "train/tiny-qwen3/short/none/seed0"
     cancelled, deadline = None, time.monotonic() + 600
     while cancelled is None and run.poll() is None and time.monotonic() < deadline:
-        if list(victim.glob("checkpoint-*")) and not (victim / "summary.json").exists():
+        if _checkpoints(victim) and not (victim / "summary.json").exists():
             job = next(j for j in _squeue(slurm_cluster) if j["state"] == "RUNNING"
                        and j["comment"].startswith("rule_grid_run_wildcards_train_tiny-qwen3_short_none_"))
             subprocess.run(["scancel", job["id"]], env=slurm_cluster, check=True)
-            cancelled = (job["id"], sorted((p.name for p in victim.glob("checkpoint-*")),
-                                           key=lambda name: int(name.rsplit("-", 1)[1])))
+            cancelled = (job["id"], _checkpoints(victim))
         time.sleep(0.05)
     rc = run.wait(timeout=900)
     log.close()
@@ -220,7 +244,8 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
     assert f"SLURM-job '{cancelled[0]}' failed, SLURM status is: 'CANCELLED'" in text, text[-3000:]
     # Snakemake submitted the job again (the profile's retries) and the run resumed from its checkpoint
     run_log = (results / "logs/train/tiny-qwen3/short/none/seed0.log").read_text()
-    assert f"resuming from {cancelled[1][-1]}" in run_log or "resuming from checkpoint-" in run_log, run_log[-2000:]
+    resumed = [int(n) for n in re.findall(r"resuming from checkpoint-(\d+)", run_log)]
+    assert resumed and resumed[0] >= cancelled[1][-1], (cancelled, run_log[-2000:])  # its newest at the cancel, or later
     steps = [json.loads(line)["step"] for line in (victim / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1)), steps  # no step lost or logged twice
     # every run equals the local run's, record for record (analysis.check_runs)
@@ -239,6 +264,7 @@ def test_jobs_over_their_time_or_memory_are_reported_failed_with_their_log_and_l
     rc = over_limit_run["proc"].wait(timeout=900)
     text = over_limit_run["log"].read_text()
     assert rc != 0, text[-3000:]
+    assert over_limit_run["nice"] == 19, over_limit_run["nice"]  # the cluster ran the job at its submitter's nice
     mine = set(re.findall(r"has been submitted with SLURM jobid (\d+)", text))  # this pipeline's jobs, not the other's
     jobs = {j["comment"].split("_wildcards_")[0]: j for j in _squeue(slurm_cluster)
             if j["id"] in mine and j["comment"].startswith(("rule_grid_run_wildcards_train_tiny-qwen3_long", "rule_parity"))}

@@ -80,10 +80,13 @@ def test_llama_parity_compiled(tiny_dirs, tmp_path, regions):
 def test_compiled_region_sets_do_not_share_compile_caches(compiled):
     """vLLM's compile-cache key holds neither RPA_REGIONS nor the custom-op set: each region
     set compiles under its own cache root, so one cannot load another's graphs. What holds nothing of the region
-    set is shared: vLLM's model-info cache (one inspection of Qwen3's class, written by vLLM through each root's
-    link into the one folder, which started empty)."""
+    set is shared: vLLM's model-info cache (one inspection of Qwen3's class, written by vLLM through the first root's
+    link into the one folder, which started empty, and read, not written again, through the second's)."""
     assert compiled.parity[0].returncode == 0, tail(compiled.parity[0])
+    entry = compiled.cache / "modelinfos" / "vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json"
+    first = entry.stat()  # written by the parity's engines (root rpa-all-...), before the none engines start
     compiled.sampled("none")
+    assert (entry.stat().st_ino, entry.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # vLLM writes by replace
     cache = compiled.cache
     roots = sorted(p.name for p in cache.iterdir() if p.name != "modelinfos")
     assert roots == ["rpa-all-kernels-reference", "rpa-none-kernels-reference"], roots

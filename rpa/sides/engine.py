@@ -135,7 +135,7 @@ def cache_base() -> str:
     """The vLLM cache root the per-configuration roots go under: :data:`CACHE_BASE_ENV` once set,
     else the user's ``VLLM_CACHE_ROOT``, else vLLM's default (``$XDG_CACHE_HOME/vllm``)."""
     default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
-    return os.environ.get(CACHE_BASE_ENV) or os.environ.get("VLLM_CACHE_ROOT", default)
+    return os.path.expanduser(os.environ.get(CACHE_BASE_ENV) or os.environ.get("VLLM_CACHE_ROOT", default))
 
 
 def compile_cache_key(numerics: NumericsConfig) -> str:
@@ -163,17 +163,23 @@ the region set. A miss costs a subprocess that imports vLLM and the model's modu
 def share_model_info_cache(root: str, base: str) -> None:
     """Point the per-configuration root's :data:`MODEL_INFO_CACHE` at one folder under ``base``, so that
     a model class is inspected once, not once per region set (:func:`compile_cache_key` separates the
-    compiled graphs only). A root that already has its own folder keeps it (vLLM reads either); two
-    processes linking at once leave one link."""
+    compiled graphs only). A root that already has its own folder keeps it (vLLM reads either); a link that
+    leads nowhere (a copied or moved root) is made again; two processes linking at once leave one link. Where
+    links cannot be made (a file system without them), each root keeps its own folder, as vLLM makes it: the
+    cache only saves time."""
     shared = os.path.join(base, MODEL_INFO_CACHE)
     link = os.path.join(root, MODEL_INFO_CACHE)
-    os.makedirs(shared, exist_ok=True)
-    os.makedirs(root, exist_ok=True)
-    if not os.path.lexists(link):
-        try:
+    try:
+        os.makedirs(shared, exist_ok=True)
+        os.makedirs(root, exist_ok=True)
+        if os.path.islink(link) and not os.path.exists(link):
+            os.unlink(link)  # dangling: vLLM could write nothing through it
+        if not os.path.lexists(link):
             os.symlink(os.path.relpath(shared, root), link)  # relative: the cache folder can move
-        except FileExistsError:
-            pass
+    except FileExistsError:
+        pass  # another process linked (or vLLM made the folder) first
+    except OSError:
+        pass  # no links here: vLLM keeps a folder per root
 
 
 def make_llm_env(numerics: NumericsConfig, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:

@@ -35,7 +35,7 @@ class EnginePool:
     would be built with the same arguments from a checkpoint of the same layout
     (:func:`checkpoint_layout`) takes the kept one instead: seeded at once as a new engine
     seeds itself (:func:`rpa.sides.engine.reseed_engine`), and given the run's weights before
-    anything reads it (:class:`RpaGRPOTrainer`). A run that fails drops the engine."""
+    anything reads it (:class:`~rpa.train.trl_adapter.RpaGRPOTrainer`). A run that fails drops the engine."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
