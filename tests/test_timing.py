@@ -35,3 +35,27 @@ def test_bench_table_partitions_the_run():
     assert rows["run set-up: provenance, training-stack imports, task, trainer model load"] == 2
     assert rows["loss forward + backward"] == 15 and rows["scoring: rewards, old logprobs, mismatch metrics, evaluation"] == 6
     assert "model floor (generation + trainer scoring + loss fwd/bwd): 38.0 s" in text
+
+
+def test_the_process_log_records_each_python_process_and_the_report_sums_it(tmp_path):
+    """tests/scripts/process_cpu (docs/testing.md): on PYTHONPATH with RPA_PROCESS_LOG set, every Python process
+    that exits normally logs its own CPU once (here a parent and the child it starts); the report sums by kind."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.scripts.process_cpu_report import report
+
+    log = tmp_path / "processes.jsonl"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "tests/scripts/process_cpu"), "RPA_PROCESS_LOG": str(log),
+           "PYTEST_CURRENT_TEST": "tests/test_x.py::test_y (call)"}
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-m', 'json.tool', '--help'], capture_output=True)"
+    subprocess.run([sys.executable, "-c", f"sum(range(3 * 10**6)); {child}"], env=env, check=True)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 2 and {r["ppid"] for r in records} & {r["pid"] for r in records}
+    assert all(r["cpu_s"] > 0 and r["test"] == "tests/test_x.py::test_y" for r in records)
+    text = report(records, top=5)
+    assert text.startswith("2 processes") and "-m json.tool" in text and "-c (inline code)" in text
+    assert "tests/test_x.py" in text
+    subprocess.run([sys.executable, "-c", "pass"], env={**env, "RPA_PROCESS_LOG": ""}, check=True)
+    assert len(log.read_text().splitlines()) == 2  # without a log file named, nothing is written
