@@ -1,7 +1,8 @@
 """Sum a process log written by tests/scripts/process_cpu/sitecustomize.py: CPU seconds by kind of process and by
 test file, the largest first.
 
-    RPA_PROCESS_LOG=/tmp/processes.jsonl PYTHONPATH=tests/scripts/process_cpu make test
+    RPA_PROCESS_LOG=/tmp/processes.jsonl PYTHONPATH=$PWD/tests/scripts/process_cpu make test
+    (an absolute path: processes started in other folders find it too)
     python tests/scripts/process_cpu_report.py /tmp/processes.jsonl
 """
 
