@@ -176,10 +176,8 @@ def share_model_info_cache(root: str, base: str) -> None:
             os.unlink(link)  # dangling: vLLM could write nothing through it
         if not os.path.lexists(link):
             os.symlink(os.path.relpath(shared, root), link)  # relative: the cache folder can move
-    except FileExistsError:
-        pass  # another process linked (or vLLM made the folder) first
-    except OSError:
-        pass  # no links here: vLLM keeps a folder per root
+    except OSError:  # another process linked (or vLLM made the folder) first, or no links here: a folder per root
+        pass
 
 
 def make_llm_env(numerics: NumericsConfig, *, multiprocess: bool = False, kv_cache_gib: int = 1) -> None:
