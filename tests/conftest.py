@@ -74,8 +74,15 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_py(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run ``python args...`` in a fresh process (vLLM's region set is fixed per process)."""
+    """Run ``python args...`` in a process of its own (vLLM's region set is fixed per process). ``-m rpa.cli ...``
+    is forked from a server that has imported torch, transformers, vLLM and TRL once (:mod:`tests.cli_fork`)
+    unless the environment differs from the server's in a variable read at import; anything else is a fresh
+    process."""
+    from tests import cli_fork
+
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if args[:2] == ["-m", "rpa.cli"] and cli_fork.forkable(full_env):
+        return cli_fork.run(args[2:], full_env, REPO, timeout)
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
     return proc

@@ -1,0 +1,102 @@
+"""``python -m rpa.cli ...`` for the tests, forked from a server that has imported the heavy libraries once.
+
+Each ``rpa`` command a test starts is a separate process (vLLM's region set is fixed per process), and most of its
+CPU was the imports: torch, transformers, vLLM and TRL take ~6 s of CPU a process on 2 cores, more than half of a
+tiny model's ``rpa parity`` (measured: ~10.5-11.5 s fresh, ~4.2-6.3 s forked, 2026-12-07, 2-core Intel Xeon).
+Python's own ``multiprocessing`` forkserver with a preload list does that import once per pytest worker and forks a
+child per command; the child runs the same entry point as the console script (:func:`rpa.cli.run`: ``main`` then
+``exit_now``) with the command's argv, environment and working directory, its stdout and stderr in files.
+
+What the forked child does not repeat is the import of :data:`PRELOAD` -- nothing of ``rpa`` runs in the server
+(``rpa`` modules are imported in the child, as a fresh process imports them), no engine is built, no thread is
+started, and vLLM's plugin (the region set) is loaded by the child's first engine, as in a fresh process. Where
+the import itself is what a test checks (``-X importtime``, an environment read at import), or where a command's
+environment differs from the server's in a variable a preloaded module may read at import
+(:data:`IMPORT_TIME_ENV`), :func:`run` is not used: :func:`tests.conftest.run_py` starts a fresh process then.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+
+PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "trl")
+"""Imported once in the fork server (their import is most of a tiny model's command; ``rpa`` is left out)."""
+
+IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "VLLM_", "TRANSFORMERS", "HF_", "TRL", "OMP_", "MKL_", "PYTHON", "CUDA",
+                   "LD_", "TRITON", "ACCELERATE")
+"""Prefixes of the environment variables a preloaded module may read at import: a command whose value of one
+differs from the server's runs in a fresh process."""
+
+NO_FORK_ENV = "RPA_TEST_NO_FORK"
+"""Set (non-empty): every command a fresh process, as before this module (for comparing the two)."""
+
+_SERVER: dict = {}
+
+
+def _context():
+    """The forkserver context, started on first use with the environment of that moment (plus OMP_NUM_THREADS=1,
+    as every command gets)."""
+    if "ctx" not in _SERVER:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))
+        saved = dict(os.environ)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _SERVER.update(ctx=ctx, env={**saved, "OMP_NUM_THREADS": "1"})
+    return _SERVER["ctx"]
+
+
+def forkable(env: dict[str, str]) -> bool:
+    """Whether a command with environment ``env`` sees what a fresh process would: every import-time variable
+    (:data:`IMPORT_TIME_ENV`) as the server had it. Before the server starts, any environment is."""
+    if os.environ.get(NO_FORK_ENV):
+        return False
+    if "env" not in _SERVER:
+        return True
+    server = _SERVER["env"]
+    keys = {k for k in (*env, *server) if k.startswith(IMPORT_TIME_ENV)}
+    return all(env.get(k) == server.get(k) for k in keys)
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: the command's environment, folder, argv and output files, then the console script."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["rpa", *argv]
+    from rpa.cli import run
+
+    run()  # main, then exit_now: os._exit with main's status (a traceback and status 1 on a bug)
+
+
+def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m rpa.cli argv`` in a forked child; what :func:`subprocess.run` with ``capture_output=True,
+    text=True`` returns (``TimeoutExpired`` after ``timeout`` seconds, the child killed)."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="rpa-fork-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        child = ctx.Process(target=_child, args=(list(argv), dict(env), str(cwd), out, err))
+        child.start()
+        child.join(timeout)
+        args = [sys.executable, "-m", "rpa.cli", *argv]
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(args, timeout)
+        with open(out, errors="replace") as o, open(err, errors="replace") as e:
+            stdout, stderr = o.read(), e.read()
+    return subprocess.CompletedProcess(args, child.exitcode, stdout, stderr)
