@@ -232,6 +232,40 @@ def test_every_number_quoted_for_the_real_model_grid_is_the_committed_tables():
 
 
 
+def test_every_number_quoted_for_the_precision_grid_is_the_committed_tables():
+    """The precision grid (issue 56) is complete in the committed tables (24 of 24, every effect over 8 seeds),
+    and the numbers the README, docs/searches.md, docs/design.md and the reference README quote for its
+    pre-registered effects -- each Hodges-Lehmann shift with its own interval and p, each arm's in-training
+    mismatch -- are formatted from that table, not typed in once."""
+    import json
+
+    from tests.conftest import REPO
+
+    ref = REPO / "results/reference/precision-smollm2"
+    grid = json.loads((ref / "tables/search_grid.json").read_text())
+    effects = grid["effects"]
+    assert grid["decision"]["outcome"] != "incomplete" and effects["unfinished"] == 0, grid["decision"]
+    assert sorted(g["finished"] for g in grid["groups"]) == [8, 8, 8]
+    assert all(e["pairs"] == 8 for e in effects["effects"].values())
+    interval = {n: "{} [{}, {}]".format(*(_fmt(e["shift"][k]) for k in ("estimate", "low", "high")))
+                for n, e in effects["effects"].items()}
+    p = {n: f"p = {e['signed_rank_p']:.2g}" for n, e in effects["effects"].items()}
+    own = {g["arm"]: f"{g['pre_collapse_mismatch']:.3g}" for g in grid["groups"]}
+    every = [*interval.values(), *p.values()]
+    expect = {"README.md": every,
+              "docs/searches.md": [*every, *own.values(), f"{100 * effects['effects']['bf16_vs_fp32']['shift']['coverage']:.1f}%"],
+              "docs/design.md": [interval["mismatch_at_fp32"], interval["bf16_vs_fp32"]],
+              "results/reference/precision-smollm2/README.md": [*interval.values(), *own.values()]}
+    for doc, numbers in expect.items():
+        text = _prose(REPO / doc)
+        missing = [n for n in numbers if n not in text]
+        assert not missing, f"{doc} does not quote {missing}"
+    rows = (ref / "README.md").read_text().split("## The grid (24 of 24")[1]
+    for name, e in effects["effects"].items():
+        row = next(line for line in rows.splitlines() if line.startswith(f"| {name} "))
+        assert f"| {e['a_lower']} of {e['pairs']} | {e['signed_rank_p']:.2g} | {interval[name]} |" in row, row
+
+
 def test_a_zero_difference_is_dropped_from_the_test_and_its_interval_alike():
     """Q2's convention (issue 55): seed 6's two AUCs were equal; the signed-rank p drops that zero
     difference (Wilcoxon), and the Hodges-Lehmann interval is computed from the same nonzero pairs, so the
