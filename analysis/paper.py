@@ -28,7 +28,7 @@ from pathlib import Path
 
 from analysis.paper_claims import dose_parts, real_model_finding, write_claims  # noqa: F401
 from analysis.paper_provenance import dose_rule, study_rule  # noqa: F401
-from analysis.paper_search import real_search_section, search_section
+from analysis.paper_search import precision_section, real_search_section, search_section
 
 REPO = Path(__file__).resolve().parents[1]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
@@ -68,11 +68,15 @@ def main() -> None:
                         help="results directory of the natural-collapse search (a section when it holds one)")
     parser.add_argument("--real-search-results", type=Path, default=None,
                         help="results directory of the real-model collapse search (a section when it holds one)")
+    parser.add_argument("--precision-results", type=Path, default=None,
+                        help="results directory of the precision x mismatch grid (a section when it holds one)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_claims(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results)
+    write_claims(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results,
+                 args.precision_results)
     search_section(args.search_results, args.out_dir)
     real_search_section(args.real_search_results, args.out_dir)
+    precision_section(args.precision_results, args.out_dir)
     sys.exit(build(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results))
 
 

@@ -17,7 +17,7 @@ from analysis.dose_text import statement
 from analysis.latex import booktabs, escape, readable
 from analysis.paired import fmt_change
 from analysis.paper_provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
-from analysis.paper_search import post_hoc_text
+from analysis.paper_search import effect_reading, post_hoc_text
 from analysis.runs import MANIFEST, read_manifest
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
@@ -239,8 +239,34 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
     return text
 
 
+def precision_finding(precision_results: Path | None) -> str | None:
+    """The precision x mismatch grid in one passage (section 1 and the abstract): each pre-registered effect on
+    the learning gain with its shift, exact interval and p, and its reading by the rule written in the config --
+    or that the grid has not finished; None where it did not run."""
+    path = None if precision_results is None else precision_results / "tables" / "search_grid.json"
+    if path is None or not path.exists():
+        return None
+    grid = json.loads(path.read_text())
+    effects = grid.get("effects") or {}
+    if grid["decision"].get("outcome") == "incomplete" or effects.get("unfinished"):
+        return "The precision x mismatch grid on SmolLM2 has not finished; nothing of it is read."
+    alpha = grid["questions"]["alpha"]
+    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
+           if g.get("pre_collapse_mismatch") is not None}
+    said = "; ".join(
+        f"{name} ({' '.join(f'{w:+g} {arm}' for arm, w in e['contrast'].items())}) {e['shift']['estimate']:+.3f} "
+        f"({100 * e['shift']['coverage']:.1f}% interval {e['shift']['low']:+.3f} to {e['shift']['high']:+.3f}, "
+        f"p = {e['signed_rank_p']:.2g}): {effect_reading(e, alpha)}" for name, e in effects["effects"].items())
+    return (f"Precision or mismatch (a grid on SmolLM2 crossing trainer precision with the mismatch, its effects "
+            f"written before it ran; learning gain paired by seed): {said}. Each arm's mean in-training mismatch: "
+            + ", ".join(f"{arm} {value:.3g}" for arm, value in own.items())
+            + "; the FP32 trainer's mismatch is of another kind than stock BF16's (its sampler's BF16 weights lag "
+              "the FP32 updates), so the grid prices that mismatch, not stock BF16's own.")
+
+
 def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
-                 search_results: Path | None = None, real_search_results: Path | None = None) -> Path:
+                 search_results: Path | None = None, real_search_results: Path | None = None,
+                 precision_results: Path | None = None) -> Path:
     manifest = read_manifest(results / "study" / MANIFEST)
     collapse = pd.read_csv(results / "tables" / "study_collapse.csv")
     mismatch = pd.read_csv(results / "tables" / "study_mismatch.csv")
@@ -252,7 +278,8 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
              mismatch_claim(mismatch, "all", ref), mismatch_claim(mismatch, "rope", ref)]
     found = findings(results, manifest, dose_results, search_results)
     real = real_model_finding(real_search_results)
-    found["real model"] = [real] if real else []
+    precision = precision_finding(precision_results)
+    found["real model"] = [x for x in (real, precision) if x]
     heads = {"holds": "What holds at this scale", "does not": "What does not",
              "untested": "What could not be tested", "real model": "On a real pretrained model"}
     listed = "".join(f"\\item \\textbf{{{heads[key]}.}} " + " ".join(escape(x) for x in lines)
@@ -263,10 +290,11 @@ def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
              f"{', '.join(map(str, manifest['seeds']))}; {len(manifest['cells'])} runs."
              + ("" if "fp32" in manifest["arms"] else " No FP32 (negative-control) training arm ran in these results."))
+    commits = provenance(results, dose_results, search_results, real_search_results, precision_results)
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
             f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
             f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",
-            f"\\newcommand{{\\commits}}{{{escape(provenance(results, dose_results, search_results, real_search_results))}}}",
+            f"\\newcommand{{\\commits}}{{{escape(commits)}}}",
             f"\\newcommand{{\\ruleversion}}{{{escape(RULE_VERSION)}}}",
             "\\newcommand{\\findings}{\\begin{itemize}" + listed + "\\end{itemize}}",
             f"\\newcommand{{\\abstractresults}}{{{' '.join(escape(x) for x in abstract)}}}",

@@ -119,7 +119,7 @@ def _commits_of(summaries) -> list[str]:
 
 
 def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None,
-               real_search_results: Path | None = None) -> str:
+               real_search_results: Path | None = None, precision_results: Path | None = None) -> str:
     """Every commit the results in the paper came from, by part (each run's ``provenance``)."""
     parts = [f"miniature runs {', '.join(_commits_of(_ended(results, 'study'))) or 'unknown'}"]
     probes = _commits_of(p.summary for p in probe_results(results))
@@ -128,7 +128,8 @@ def provenance(results: Path, dose_results: Path | None = None, search_results: 
     dose = _ended(dose_results or results, "dose")
     if dose:
         parts.append(f"positive control ({dose_results or results}) {', '.join(_commits_of(dose))}")
-    for name, folder in (("search", search_results), ("real-model search", real_search_results)):
+    for name, folder in (("search", search_results), ("real-model search", real_search_results),
+                         ("precision grid", precision_results)):
         if folder is None:
             continue
         for stage in ("pilot", "grid", "ablation", "lever"):

@@ -1,7 +1,7 @@
 """The paper's search sections: ``search_section.tex`` (the natural-collapse search on CPU:
-:func:`search_section`) and ``real_search_section.tex`` (the real-model search:
-:func:`real_search_section`), from a search's ``tables/search_*.{json,csv}``, its figures and its
-decode probes; nothing where no search ran.
+:func:`search_section`), ``real_search_section.tex`` (the real-model search: :func:`real_search_section`) and
+``precision_section.tex`` (the precision x mismatch grid: :func:`precision_section`), from a search's
+``tables/search_*.{json,csv}``, its figures and its decode probes; nothing where no search ran.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _pilot_rule_text(rule: dict) -> str:
             f"run has the largest step-1 mismatch")
 
 
-def _questions_table(grid: dict) -> list[str]:
+def _questions_table(grid: dict, what: str = "The real-model grid's", label: str = "tab:realquestions") -> list[str]:
     """The grid's questions, each as its rule (written in the config before the grid ran) answers it."""
     qs = (grid.get("questions") or {}).get("questions") or {}
     if not qs:
@@ -123,11 +123,11 @@ def _questions_table(grid: dict) -> list[str]:
                      "answer": q["answer"]})
     alpha = (grid.get("questions") or {}).get("alpha")
     text = "; ".join(f"{name}: {q['question']}" for name, q in qs.items())
-    return [escape(text), booktabs(pd.DataFrame(rows), f"The real-model grid's questions (collapse counts: finished "
+    return [escape(text), booktabs(pd.DataFrame(rows), f"{what} questions (collapse counts: finished "
                                    f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
                                    f"with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
                                    f"the exact interval that inverts it; zero differences are dropped from the test "
-                                   f"and its interval alike)", "tab:realquestions", placement="H")]
+                                   f"and its interval alike)", label, placement="H")]
 
 
 def post_hoc_text(grid: dict) -> str | None:
@@ -284,10 +284,13 @@ def _stage_section(stage: dict, intro: str, table: tuple[str, str], figure: tupl
 
 
 def _figure(path: Path, caption: str, label: str) -> list[str]:
-    """A committed figure of the search, placed where it is input (none where it is missing)."""
+    """A committed figure of the search, placed where it is input (none where it is missing): the text's width, or
+    less where that would make it taller than most of a page (a figure of several panel rows), so that it and its
+    caption fit on one page."""
     if not path.exists():
         return []
-    return ["\\begin{figure}[H]\\centering\\includegraphics[width=\\linewidth]{" + path.name + "}"
+    return ["\\begin{figure}[H]\\centering\\includegraphics[width=\\linewidth,height=0.75\\textheight,"
+            "keepaspectratio]{" + path.name + "}"
             f"\\caption{{{escape(caption)}}}\\label{{{label}}}\\end{{figure}}"]
 
 
@@ -452,3 +455,70 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
                   f"the BF16 baseline's collapse: not testable here, since the baseline did not collapse by itself; "
                   f"{beside}. (2) RoPE alone suffices: not testable either; the ablation stage runs only where "
                   f"the baseline collapses, and it did not.")
+
+
+def effect_reading(effect: dict, alpha: float) -> str:
+    """An effect as the grid's written reading names it: ``below 0`` (its interval's upper end < 0 and p < alpha),
+    ``above 0`` (the lower end > 0 and p < alpha), else ``not resolved`` at this power."""
+    shift, p = effect.get("shift") or {}, effect.get("signed_rank_p")
+    if not shift or p is None or p >= alpha:
+        return "not resolved"
+    return "below 0" if shift["high"] < 0 else "above 0" if shift["low"] > 0 else "not resolved"
+
+
+def precision_section(results: Path | None, out_dir: Path) -> Path | None:
+    """``precision_section.tex``: the precision x mismatch grid (issue 56) -- its decision statement, the collapse
+    questions, the pre-registered effects on the learning gain with each one's reading by the rule written in the
+    config (at the config's ``decision.alpha``, the one the effects were tested at), each arm's in-training
+    mismatch, the groups and the figure; or how much of it has run; nothing where it did not run."""
+    path = out_dir / "precision_section.tex"
+    grid_json = None if results is None else results / "tables" / "search_grid.json"
+    if grid_json is None or not grid_json.exists():
+        path.unlink(missing_ok=True)
+        return None
+    grid = json.loads(grid_json.read_text())
+    effects = grid.get("effects") or {}
+    parts = ["\\section{Precision or mismatch? A grid on SmolLM2}",
+             escape("The real-model grid's BF16 arms learned less than FP32 and all carried the same mismatch. This "
+                    "grid crosses the two at its rung: FP32 on both sides (fp32), an FP32 trainer sampled by BF16 vLLM "
+                    "(trainer-fp32) and stock BF16 (none), 8 seeds each, on one CPU type; its questions, effects and "
+                    "what each outcome means were written in its config before it ran.")]
+    if grid["decision"].get("outcome") == "incomplete" or effects.get("unfinished"):
+        parts.append(escape(f"The grid has not finished ({grid['decision'].get('unfinished', effects.get('unfinished'))} "
+                            f"runs left); nothing of it is read."))
+        write_text(path, "\n\n".join(parts) + "\n")
+        return path
+    alpha = grid["questions"]["alpha"]
+    parts.append(escape(grid["decision"]["statement"]))
+    parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
+    rows = [{"effect": name, "contrast": " ".join(f"{w:+g} {arm}" for arm, w in e["contrast"].items()),
+             "pairs": e["pairs"], "mean": e["mean_difference"], "below 0": f"{e['a_lower']} of {e['pairs']}",
+             "signed-rank p": e["signed_rank_p"], "HL shift": e["shift"]["estimate"],
+             "exact interval": f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g} "
+                               f"({100 * e['shift']['coverage']:.1f}%)",
+             "reading": effect_reading(e, alpha)} for name, e in effects["effects"].items()]
+    parts.append(escape("; ".join(f"{name}: {e['question']}" for name, e in effects["effects"].items())))
+    parts.append(booktabs(pd.DataFrame(rows), f"The precision grid's pre-registered effects on the learning gain "
+                          f"(reward AUC minus the run's own step-1 training reward), each contrast paired by seed: "
+                          f"exact two-sided signed-rank test at alpha {alpha}, Hodges-Lehmann shift with the exact "
+                          f"interval that inverts it; reading: below or above 0 where the interval excludes 0 at "
+                          f"that alpha", "tab:preceffects", placement="H"))
+    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
+           if g.get("pre_collapse_mismatch") is not None}
+    if own:
+        parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + ", ".join(
+            f"{arm} {value:.3g}" for arm, value in own.items()) + ". The FP32-trainer cell's mismatch is not stock "
+            "BF16's kind: its engine holds the BF16 rounding of the FP32 weights, so updates below half a BF16 ulp "
+            "move the trainer's policy and not the sampler's, and the gap grows with training (the ratio to stock "
+            "BF16's below); stock BF16's two sides hold the same weights and differ in where they round. An effect "
+            "of that cell against fp32 is the cost of this kind and size of mismatch; whether stock BF16's own "
+            "mismatch costs it learning needs a cell with BF16 arithmetic and no mismatch, which did not qualify "
+            "on this CPU."))
+    parts += _stage_notes(grid)
+    parts += _stage_groups(grid, "The precision grid's runs per arm", "tab:precgrid")
+    parts += _copied_figure(results / "figures" / "search_grid.png", out_dir, "precision_", "The precision grid: "
+                            "reward (top) and in-training mismatch (middle, log scale) per logged step, line: mean over "
+                            "the seeds, band: their range; bottom: each run's learning gain (line: the arm's mean).",
+                            "fig:precgrid")
+    write_text(path, "\n\n".join(parts) + "\n")
+    return path

@@ -10,6 +10,8 @@ def paper_inputs(wildcards=None):
         inputs += [f"{config['search_results']}/tables/search_pilot.json"]
     if config["real_search_results"]:
         inputs += [f"{config['real_search_results']}/tables/search_pilot.json"]
+    if config["precision_results"]:
+        inputs += [f"{config['precision_results']}/tables/search_grid.json"]
     if config["dose_results"]:
         inputs += [f"{config['dose_results']}/tables/dose_runs.csv", f"{config['dose_results']}/figures/dose_response.png"]
     return inputs
@@ -30,6 +32,8 @@ rule paper:
         dose=f"--dose-results {config['dose_results']}" if config["dose_results"] else "",
         search=f"--search-results {config['search_results']}" if config["search_results"] else "",
         real_search=f"--real-search-results {config['real_search_results']}" if config["real_search_results"] else "",
+        precision=f"--precision-results {config['precision_results']}" if config["precision_results"] else "",
     shell:
         "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} {params.search} {params.real_search} "
+        "{params.precision} "
         "> {log} 2>&1"

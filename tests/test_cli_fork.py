@@ -30,3 +30,4 @@ def test_a_forked_command_ends_and_prints_as_a_fresh_process_does(tmp_path):
     assert cli_fork.forkable(env)
     assert not cli_fork.forkable({**env, "VLLM_CPU_KVCACHE_SPACE": "7"})  # read at import: a fresh process
     assert cli_fork.forkable({**env, "RPA_SOMETHING": "1"})
+    assert cli_fork.forkable({**env, "VLLM_PLUGINS": "lora_filesystem_resolver"})  # read when an engine starts

@@ -156,12 +156,14 @@ def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
     assert proc.returncode == 0, tail(proc)
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
                    "--dose-results", str(DOSE), "--search-results", str(REPO / "results/reference/collapse-cpu"),
-                   "--real-search-results", str(REPO / "results/reference/collapse-smollm2")], timeout=600)
+                   "--real-search-results", str(REPO / "results/reference/collapse-smollm2"),
+                   "--precision-results", str(REPO / "results/reference/precision-smollm2")], timeout=600)
     assert proc.returncode == 0, tail(proc)
     assert (res / "paper/real_search_section.tex").exists()  # both search sections are on the page
+    assert (res / "paper/precision_section.tex").exists()  # and the precision grid's
     log = (res / "paper/main.log").read_text(errors="replace")
-    overfull = [line for line in log.splitlines() if line.startswith(("Overfull \\hbox", "! "))]
-    assert not overfull, "\n".join(overfull)
+    overfull = [line for line in log.splitlines() if line.startswith(("Overfull \\hbox", "Overfull \\vbox", "! "))]
+    assert not overfull, "\n".join(overfull)  # \\vbox: a float taller than the page runs over its foot
     assert "Float too large" not in log
     assert "\\collapserule" in (REPO / "paper/main.tex").read_text()
 
@@ -281,6 +283,49 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
     text = real_search_section(res, tmp_path).read_text()
     assert "tab:realdecode" in text and f"{own:.3g}" in text and f"(ratio {own / s['mean_abs_dlogp']:.2f})" in text
     assert real_search_section(None, tmp_path) is None and not (tmp_path / "real_search_section.tex").exists()
+
+
+def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_grid(tmp_path):
+    """The precision grid (issue 56): each pre-registered effect with its shift, interval and p from the committed
+    table and its reading as the config's rule names it (below / above 0 only where the interval excludes 0 at the
+    config's alpha), each arm's mismatch, the figure; an unfinished grid is said to be unfinished and not read."""
+    import shutil
+
+    from analysis.paper_search import effect_reading, precision_section
+
+    committed = _committed(REPO / "results/reference/precision-smollm2/tables/search_grid.json")
+    grid = json.loads(committed.read_text())
+    text = precision_section(committed.parents[1], tmp_path).read_text().replace("\\_", "_")
+    assert "\\section{Precision or mismatch?" in text and "tab:preceffects" in text and "tab:precquestions" in text
+    alpha = grid["questions"]["alpha"]
+    for name, e in grid["effects"]["effects"].items():
+        row = next(line for line in text.splitlines() if line.lstrip().startswith(name + " "))
+        assert f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g}" in row and effect_reading(e, alpha) in row, row
+    assert (tmp_path / "precision_search_grid.png").exists()
+    assert all(f"{g['arm']} {g['pre_collapse_mismatch']:.3g}" in text for g in grid["groups"])
+    effect = {"shift": {"estimate": -0.1, "low": -0.2, "high": -0.01}, "signed_rank_p": 0.0078}
+    assert effect_reading(effect, 0.05) == "below 0"
+    assert effect_reading({**effect, "signed_rank_p": 0.055}, 0.05) == "not resolved"
+    assert effect_reading({**effect, "shift": {"estimate": 0.1, "low": 0.02, "high": 0.2}}, 0.05) == "above 0"
+    assert effect_reading({**effect, "shift": {"estimate": -0.06, "low": -0.12, "high": 0.002}}, 0.05) == "not resolved"
+    partial = tmp_path / "partial"
+    (partial / "tables").mkdir(parents=True)
+    (partial / "tables/search_grid.json").write_text(json.dumps(
+        {**grid, "decision": {**grid["decision"], "outcome": "incomplete", "unfinished": 3},
+         "effects": {**grid["effects"], "unfinished": 3}}))
+    (tmp_path / "p").mkdir()
+    text = precision_section(partial, tmp_path / "p").read_text()
+    assert "has not finished (3 runs left)" in text and "tab:preceffects" not in text
+    assert precision_section(tmp_path / "nothing", tmp_path / "p") is None
+    assert not (tmp_path / "p/precision_section.tex").exists()  # an earlier build's section is not left over
+    from analysis.paper import write_claims
+
+    claims = write_claims(REFERENCE, tmp_path, DOSE, None, None, committed.parents[1]).read_text().replace("\\_", "_")
+    findings = claims.split("\\newcommand{\\findings}")[1].split("\\newcommand")[0]
+    assert "Precision or mismatch" in findings and "On a real pretrained model" in findings
+    assert all(f"{name} (" in findings and f"p = {e['signed_rank_p']:.2g}): {effect_reading(e, alpha)}" in findings
+               for name, e in grid["effects"]["effects"].items())
+    assert "precision grid grid (" in claims  # its runs' commits are listed with the others
 
 
 def test_the_real_model_grid_reaches_the_abstract_as_its_tests_answer_it(tmp_path):
