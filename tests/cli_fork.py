@@ -35,10 +35,14 @@ IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "VLLM_", "TRANSFORMERS", "HF_", "TRL", "O
 """Prefixes of the environment variables a preloaded module may read at import: a command whose value of one
 differs from the server's runs in a fresh process (unless it is one of :data:`READ_AT_USE`)."""
 
-READ_AT_USE = ("VLLM_PLUGINS", "VLLM_CACHE_ROOT")
+READ_AT_USE = ("VLLM_PLUGINS", "VLLM_CACHE_ROOT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION",
+               "VLLM_CPU_KVCACHE_SPACE")
 """vLLM variables read when used, not at import: ``vllm.envs`` reads them through its module ``__getattr__`` on
-every access (its cache is turned on only once an engine has started, which the server never does) -- the plugin
-loader when an engine starts, the model-info and compile caches when they are opened."""
+every access (its cache is turned on only once an engine has started, which the server never does), and no module
+of vLLM 0.32 or TRL reads them at module level (grep) -- the plugin loader when an engine starts, the model-info and
+compile caches when they are opened, the engine's process layout, serialization and KV cache when it is built. The
+last four are the ones ``rpa`` sets itself before it builds an engine (:func:`rpa.sides.engine.make_llm_env`), so an
+in-process test leaves them in its worker's environment."""
 
 NO_FORK_ENV = "RPA_TEST_NO_FORK"
 """Set (non-empty): every command a fresh process, as before this module (for comparing the two)."""
@@ -46,14 +50,26 @@ NO_FORK_ENV = "RPA_TEST_NO_FORK"
 _SERVER: dict = {}
 
 
+def set_base_env(env: dict[str, str]) -> None:
+    """The environment the server imports under: the worker's as the session set it up (``tests/conftest.py``'s
+    ``pytest_configure``), plus OMP_NUM_THREADS=1 as every command gets -- not whichever test's environment
+    happens to start the server (a test may have changed it)."""
+    _SERVER["env"] = {**env, "OMP_NUM_THREADS": "1"}
+
+
+def base_env() -> dict[str, str]:
+    """:func:`set_base_env`'s environment (the current one if it was not set)."""
+    return _SERVER.get("env") or {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def _context():
-    """The forkserver context, started on first use with the environment of that moment (plus OMP_NUM_THREADS=1,
-    as every command gets)."""
+    """The forkserver context, started on first use with :func:`base_env` as its environment."""
     if "ctx" not in _SERVER:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))
-        saved = dict(os.environ)
-        os.environ["OMP_NUM_THREADS"] = "1"
+        saved, base = dict(os.environ), base_env()
+        os.environ.clear()
+        os.environ.update(base)
         try:
             from multiprocessing import forkserver
 
@@ -61,18 +77,16 @@ def _context():
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        _SERVER.update(ctx=ctx, env={**saved, "OMP_NUM_THREADS": "1"})
+        _SERVER.update(ctx=ctx, env=base)
     return _SERVER["ctx"]
 
 
 def forkable(env: dict[str, str]) -> bool:
     """Whether a command with environment ``env`` sees what a fresh process would: every import-time variable
-    (:data:`IMPORT_TIME_ENV`) as the server had it. Before the server starts, any environment is."""
+    (:data:`IMPORT_TIME_ENV`, less :data:`READ_AT_USE`) as the server has it (:func:`base_env`)."""
     if os.environ.get(NO_FORK_ENV):
         return False
-    if "env" not in _SERVER:
-        return True
-    server = _SERVER["env"]
+    server = base_env()
     keys = {k for k in (*env, *server) if k.startswith(IMPORT_TIME_ENV) and k not in READ_AT_USE}
     return all(env.get(k) == server.get(k) for k in keys)
 

@@ -28,7 +28,8 @@ back to a narrower ISA). The setting is part of Inductor's cache key: the suite'
 def pytest_configure(config):
     """A parallel worker (pytest-xdist) gets its own vLLM compile-cache base: two processes
     compiling the same configuration at once would write one cache entry together. The model-info
-    cache (atomic files, nothing of the region set) stays one for all workers. :data:`VEC_ISA_ENV`."""
+    cache (atomic files, nothing of the region set) stays one for all workers. :data:`VEC_ISA_ENV`. The session's
+    environment is the one ``rpa`` commands are forked under (:mod:`tests.cli_fork`)."""
     os.environ.setdefault(VEC_ISA_ENV, "1")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
@@ -37,6 +38,9 @@ def pytest_configure(config):
         base = cache_base()
         os.environ[CACHE_BASE_ENV] = os.path.join(base, f"pytest-{worker}")
         share_model_info_cache(os.environ[CACHE_BASE_ENV], base)
+    from tests import cli_fork
+
+    cli_fork.set_base_env(dict(os.environ))  # the fork server imports under the session's environment
 
 
 KIND_SECONDS = {"slurm": 100.0, "engine": 20.0, "cli": 3.0, "unit": 0.2}

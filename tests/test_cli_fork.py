@@ -10,7 +10,7 @@ from tests import cli_fork
 def test_a_forked_command_ends_and_prints_as_a_fresh_process_does(tmp_path):
     """Same status, stdout, stderr and files for a refused command and a finished one, run in a folder of
     their own; a command whose environment differs in a variable read at import is not forked."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cli_fork.base_env()  # the session's environment (a test before this one may have changed os.environ)
     refused = ["parity", "--model", str(tmp_path / "missing"), "--regions", "all", "--out", "p.json"]
     finished = ["prompts", "--task", "synthetic-add", "--num-prompts", "3", "--out", "prompts.jsonl"]
     for argv, status in ((refused, 2), (finished, 0)):
@@ -28,6 +28,9 @@ def test_a_forked_command_ends_and_prints_as_a_fresh_process_does(tmp_path):
         assert results[0] == results[1]
         assert results[0][0] == status, results[0]
     assert cli_fork.forkable(env)
-    assert not cli_fork.forkable({**env, "VLLM_CPU_KVCACHE_SPACE": "7"})  # read at import: a fresh process
+    assert not cli_fork.forkable({**env, "VLLM_LOGGING_LEVEL": "DEBUG"})  # read at import (vllm.logger): fresh
+    assert not cli_fork.forkable({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert cli_fork.forkable({**env, "RPA_SOMETHING": "1"})
     assert cli_fork.forkable({**env, "VLLM_PLUGINS": "lora_filesystem_resolver"})  # read when an engine starts
+    # what rpa sets itself before it builds an engine, left in a worker's environment by an in-process test
+    assert cli_fork.forkable({**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
