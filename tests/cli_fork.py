@@ -10,9 +10,11 @@ child per command; the child runs the same entry point as the console script (:f
 What the forked child does not repeat is the import of :data:`PRELOAD` -- nothing of ``rpa`` runs in the server
 (``rpa`` modules are imported in the child, as a fresh process imports them), no engine is built, no thread is
 started, and vLLM's plugin (the region set) is loaded by the child's first engine, as in a fresh process. Where
-the import itself is what a test checks (``-X importtime``, an environment read at import), or where a command's
-environment differs from the server's in a variable a preloaded module may read at import
-(:data:`IMPORT_TIME_ENV`), :func:`run` is not used: :func:`tests.conftest.run_py` starts a fresh process then.
+the import itself is what a test checks (``-X importtime``, a script), :func:`run` is not used; where a command's
+environment differs from the server's in a variable a preloaded module may read at import (:data:`IMPORT_TIME_ENV`),
+or sets at import to another value (:func:`compatible`), the command runs in a fresh process instead. What the
+preload's imports set in the environment (vLLM and torch set ~10 variables when imported) is applied over the
+command's environment in the child, as the same imports would have applied it in a fresh process.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "VLLM_", "TRANSFORMERS", "HF_", "TRL", "O
 differs from the server's runs in a fresh process (unless it is one of :data:`READ_AT_USE`)."""
 
 READ_AT_USE = ("VLLM_PLUGINS", "VLLM_CACHE_ROOT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION",
-               "VLLM_CPU_KVCACHE_SPACE")
+               "VLLM_CPU_KVCACHE_SPACE", "TORCHINDUCTOR_CACHE_DIR")
 """vLLM variables read when used, not at import: ``vllm.envs`` reads them through its module ``__getattr__`` on
 every access (its cache is turned on only once an engine has started, which the server never does), and no module
 of vLLM 0.32 or TRL reads them at module level (grep) -- the plugin loader when an engine starts, the model-info and
 compile caches when they are opened, the engine's process layout, serialization and KV cache when it is built. The
 last four are the ones ``rpa`` sets itself before it builds an engine (:func:`rpa.sides.engine.make_llm_env`), so an
-in-process test leaves them in its worker's environment."""
+in-process test leaves them in its worker's environment. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` in each call of
+its ``cache_dir()`` (and sets it there to the default where it is unset: another trace an in-process compile leaves)."""
 
 NO_FORK_ENV = "RPA_TEST_NO_FORK"
 """Set (non-empty): every command a fresh process, as before this module (for comparing the two)."""
@@ -81,20 +84,44 @@ def _context():
     return _SERVER["ctx"]
 
 
-def forkable(env: dict[str, str]) -> bool:
-    """Whether a command with environment ``env`` sees what a fresh process would: every import-time variable
-    (:data:`IMPORT_TIME_ENV`, less :data:`READ_AT_USE`) as the server has it (:func:`base_env`)."""
-    if os.environ.get(NO_FORK_ENV):
-        return False
-    server = base_env()
-    keys = {k for k in (*env, *server) if k.startswith(IMPORT_TIME_ENV) and k not in READ_AT_USE}
-    return all(env.get(k) == server.get(k) for k in keys)
+def forkable() -> bool:
+    """Whether commands are forked at all (:data:`NO_FORK_ENV`); whether one command's environment allows it is
+    :func:`compatible`'s, decided in the child, which knows what the preload's imports set."""
+    return not os.environ.get(NO_FORK_ENV)
 
 
-def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """In the forked child: the command's environment, folder, argv and output files, then the console script."""
+def compatible(env: dict[str, str], base: dict[str, str], imported: dict[str, str | None]) -> bool:
+    """Whether a fresh process given ``env`` would import what the server imported under ``base``: every variable
+    the imports set (``imported``: its value after the imports, None where they removed it) absent from ``env`` or
+    already the value they set (a worker that imported the same libraries holds it too), and every other variable a
+    preloaded module may read at import (:data:`IMPORT_TIME_ENV`, less :data:`READ_AT_USE`) as in ``base``."""
+    for key in {*env, *base, *imported}:
+        if key in imported:
+            if env.get(key) not in (None, imported[key]):
+                return False
+        elif key.startswith(IMPORT_TIME_ENV) and key not in READ_AT_USE and env.get(key) != base.get(key):
+            return False
+    return True
+
+
+FALLBACK_STATUS = 213
+"""A forked child's status when :func:`compatible` refuses its environment (``rpa`` exits 0, 1 or 2): the command
+then runs in a fresh process."""
+
+
+def _child(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: the command's environment with what the preload's imports set applied over it, as they
+    would have been in a fresh process (or :data:`FALLBACK_STATUS` where :func:`compatible` refuses it), its folder,
+    argv and output files, then the console script."""
+    inherited = dict(os.environ)  # the server's: ``base`` and what its imports set
+    imported = {k: v for k, v in inherited.items() if base.get(k) != v}
+    imported.update({k: None for k in base if k not in inherited})
+    if not compatible(env, base, imported):
+        os._exit(FALLBACK_STATUS)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**env, **{k: v for k, v in imported.items() if v is not None}})
+    for key in (k for k, v in imported.items() if v is None):
+        os.environ.pop(key, None)
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -107,19 +134,27 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
 
 
 def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m rpa.cli argv`` in a forked child; what :func:`subprocess.run` with ``capture_output=True,
-    text=True`` returns (``TimeoutExpired`` after ``timeout`` seconds, the child killed)."""
+    """``python -m rpa.cli argv`` in a forked child -- or a fresh process where the child finds the environment
+    incompatible (:func:`compatible`; counted in ``FRESH``) -- and what :func:`subprocess.run` with
+    ``capture_output=True, text=True`` returns (``TimeoutExpired`` after ``timeout`` seconds, the child killed)."""
     ctx = _context()
+    args = [sys.executable, "-m", "rpa.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="rpa-fork-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = ctx.Process(target=_child, args=(list(argv), dict(env), str(cwd), out, err))
+        child = ctx.Process(target=_child, args=(list(argv), dict(env), base_env(), str(cwd), out, err))
         child.start()
         child.join(timeout)
-        args = [sys.executable, "-m", "rpa.cli", *argv]
         if child.is_alive():
             child.kill()
             child.join()
             raise subprocess.TimeoutExpired(args, timeout)
+        if child.exitcode == FALLBACK_STATUS and not os.path.exists(out):
+            FRESH.append(list(argv))
+            return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         with open(out, errors="replace") as o, open(err, errors="replace") as e:
             stdout, stderr = o.read(), e.read()
     return subprocess.CompletedProcess(args, child.exitcode, stdout, stderr)
+
+
+FRESH: list[list[str]] = []
+"""The commands of this worker that ran in a fresh process because their environment was not compatible."""

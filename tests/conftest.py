@@ -85,7 +85,7 @@ def run_py(args: list[str], env: dict[str, str] | None = None, timeout: int = 90
     from tests import cli_fork
 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if args[:2] == ["-m", "rpa.cli"] and cli_fork.forkable(full_env):
+    if args[:2] == ["-m", "rpa.cli"] and cli_fork.forkable():
         return cli_fork.run(args[2:], full_env, REPO, timeout)
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)

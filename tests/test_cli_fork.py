@@ -1,36 +1,53 @@
 """The tests' forked ``rpa`` commands (tests/cli_fork.py) against fresh processes."""
 
-import os
 import subprocess
 import sys
 
 from tests import cli_fork
 
 
+def _both(argv, env, tmp_path, name):
+    """``rpa argv`` fresh and through :func:`cli_fork.run`, each in a folder of its own: status, stdout, stderr and
+    the files written."""
+    results = []
+    for how in ("fresh", "forked"):
+        cwd = tmp_path / name / how
+        cwd.mkdir(parents=True)
+        if how == "fresh":
+            proc = subprocess.run([sys.executable, "-m", "rpa.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                                  text=True, timeout=300)
+        else:
+            proc = cli_fork.run(argv, env, cwd, timeout=300)
+        results.append((proc.returncode, proc.stdout, proc.stderr, {p.name: p.read_bytes() for p in cwd.iterdir()}))
+    return results
+
+
 def test_a_forked_command_ends_and_prints_as_a_fresh_process_does(tmp_path):
-    """Same status, stdout, stderr and files for a refused command and a finished one, run in a folder of
-    their own; a command whose environment differs in a variable read at import is not forked."""
+    """Same status, stdout, stderr and files for a refused command and a finished one; a command whose environment
+    differs in a variable read at import runs in a fresh process, with the same result."""
     env = cli_fork.base_env()  # the session's environment (a test before this one may have changed os.environ)
     refused = ["parity", "--model", str(tmp_path / "missing"), "--regions", "all", "--out", "p.json"]
     finished = ["prompts", "--task", "synthetic-add", "--num-prompts", "3", "--out", "prompts.jsonl"]
     for argv, status in ((refused, 2), (finished, 0)):
-        results = []
-        for how in ("fresh", "forked"):
-            cwd = tmp_path / argv[0] / how
-            cwd.mkdir(parents=True)
-            if how == "fresh":
-                proc = subprocess.run([sys.executable, "-m", "rpa.cli", *argv], cwd=cwd, env=env,
-                                      capture_output=True, text=True, timeout=300)
-            else:
-                proc = cli_fork.run(argv, env, cwd, timeout=300)
-            files = {p.name: p.read_bytes() for p in cwd.iterdir()}
-            results.append((proc.returncode, proc.stdout, proc.stderr, files))
-        assert results[0] == results[1]
-        assert results[0][0] == status, results[0]
-    assert cli_fork.forkable(env)
-    assert not cli_fork.forkable({**env, "VLLM_LOGGING_LEVEL": "DEBUG"})  # read at import (vllm.logger): fresh
-    assert not cli_fork.forkable({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
-    assert cli_fork.forkable({**env, "RPA_SOMETHING": "1"})
-    assert cli_fork.forkable({**env, "VLLM_PLUGINS": "lora_filesystem_resolver"})  # read when an engine starts
+        fresh, forked = _both(argv, env, tmp_path, argv[0])
+        assert fresh == forked and fresh[0] == status, fresh
+    assert not cli_fork.FRESH  # both forked
+    other = {**env, "VLLM_LOGGING_LEVEL": "WARNING"}  # read at import (vllm.logger)
+    fresh, forked = _both(refused, other, tmp_path, "other")
+    assert fresh == forked and fresh[0] == 2 and cli_fork.FRESH == [refused]
+
+
+def test_which_environments_a_forked_child_takes():
+    """What the preload's imports set is taken where the command's environment lacks it or holds the same value;
+    variables read at import must be the server's; those vLLM and Inductor read at use may differ."""
+    base = {"PATH": "/bin", "VLLM_LOGGING_LEVEL": "INFO"}
+    imported = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "LD_PRELOAD": "libgomp.so.1"}
+    assert cli_fork.compatible(dict(base), base, imported)
+    assert cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, base, imported)  # a worker that imported
+    assert not cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "4"}, base, imported)
+    assert not cli_fork.compatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG"}, base, imported)
+    assert not cli_fork.compatible({"PATH": "/bin"}, base, imported)  # unset where the server had it
+    assert cli_fork.compatible({**base, "RPA_REGIONS": "all", "MASTER_PORT": "1"}, base, imported)
     # what rpa sets itself before it builds an engine, left in a worker's environment by an in-process test
-    assert cli_fork.forkable({**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert cli_fork.compatible({**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                "VLLM_PLUGINS": "x", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}, base, imported)

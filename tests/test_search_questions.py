@@ -232,15 +232,19 @@ def test_every_number_quoted_for_the_real_model_grid_is_the_committed_tables():
 
 
 
-def test_every_number_quoted_for_the_precision_grid_is_the_committed_tables():
-    """The precision grid (issue 56) is complete in the committed tables (24 of 24, every effect over 8 seeds),
-    and the numbers the README, docs/searches.md, docs/design.md and the reference README quote for its
-    pre-registered effects -- each Hodges-Lehmann shift with its own interval and p, each arm's in-training
-    mismatch -- are formatted from that table, not typed in once."""
+def test_every_number_quoted_for_the_precision_grid_is_the_committed_tables(capsys):
+    """The precision grid (issue 56): its decision and effects, recomputed from the committed raw runs, are the
+    committed table byte for byte; the grid is complete (24 of 24, every effect over 8 seeds); and the numbers the
+    README, docs/searches.md, docs/design.md and the reference README quote for its pre-registered effects -- each
+    Hodges-Lehmann shift with its own interval and p, each arm's in-training mismatch -- are formatted from that
+    table, not typed in once."""
     import json
 
+    from analysis import check_reference
     from tests.conftest import REPO
 
+    assert check_reference.main(["--only", "precision-smollm2"]) == 0
+    assert "0 differ" in capsys.readouterr().out
     ref = REPO / "results/reference/precision-smollm2"
     grid = json.loads((ref / "tables/search_grid.json").read_text())
     effects = grid["effects"]
