@@ -140,9 +140,14 @@ def _snakemake(args, env, timeout=900, **popen):
                           text=True, timeout=timeout, **popen)
 
 
-def _checkpoints(run: Path) -> list[int]:
-    """The steps of the run's checkpoints (``checkpoint-N`` folders), in order."""
-    return sorted(int(p.name.split("-", 1)[1]) for p in run.glob("checkpoint-*") if p.name.split("-", 1)[1].isdigit())
+def _newest_checkpoint(run: Path) -> int | None:
+    """The step of the newest checkpoint the run can resume from (the product's own rule: its trainer state whole),
+    None before the first. A ``checkpoint-N`` folder being written at the cancel is not one: the run resumed from
+    checkpoint 4 after a cancel that found folders 4 and 8, 8 half written (2026-12-07)."""
+    from rpa.train.rundir import latest_checkpoint
+
+    newest = latest_checkpoint(run)
+    return None if newest is None else int(newest.name.split("-")[-1])
 
 
 def _squeue(env) -> list[dict]:
@@ -228,11 +233,11 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
     victim = results / "train/tiny-qwen3/short/none/seed0"
     cancelled, deadline = None, time.monotonic() + 600
     while cancelled is None and run.poll() is None and time.monotonic() < deadline:
-        if _checkpoints(victim) and not (victim / "summary.json").exists():
+        if _newest_checkpoint(victim) is not None and not (victim / "summary.json").exists():
             job = next(j for j in _squeue(slurm_cluster) if j["state"] == "RUNNING"
                        and j["comment"].startswith("rule_grid_run_wildcards_train_tiny-qwen3_short_none_"))
             subprocess.run(["scancel", job["id"]], env=slurm_cluster, check=True)
-            cancelled = (job["id"], _checkpoints(victim))
+            cancelled = (job["id"], _newest_checkpoint(victim))
         time.sleep(0.05)
     rc = run.wait(timeout=900)
     log.close()
@@ -245,7 +250,7 @@ def test_the_pipeline_through_the_plugin_equals_the_local_run_and_resumes_a_canc
     # Snakemake submitted the job again (the profile's retries) and the run resumed from its checkpoint
     run_log = (results / "logs/train/tiny-qwen3/short/none/seed0.log").read_text()
     resumed = [int(n) for n in re.findall(r"resuming from checkpoint-(\d+)", run_log)]
-    assert resumed and resumed[0] >= cancelled[1][-1], (cancelled, run_log[-2000:])  # its newest at the cancel, or later
+    assert resumed and resumed[0] >= cancelled[1], (cancelled, run_log[-2000:])  # its newest at the cancel, or later
     steps = [json.loads(line)["step"] for line in (victim / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1)), steps  # no step lost or logged twice
     # every run equals the local run's, record for record (analysis.check_runs)
