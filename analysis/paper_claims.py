@@ -17,7 +17,7 @@ from analysis.dose_text import statement
 from analysis.latex import booktabs, escape, readable
 from analysis.paired import fmt_change
 from analysis.paper_provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
-from analysis.paper_search import effect_reading, post_hoc_text
+from analysis.paper_search import arm_mismatch, effect_reading, post_hoc_text, unfinished_runs
 from analysis.runs import MANIFEST, read_manifest
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
@@ -225,8 +225,7 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
              f"drop) at a mean entropy of {env['mean_entropy']:.2f} nats/token"
              if env.get("max_pre_drop_mismatch") is not None and env.get("mean_entropy") is not None else "")
     # each arm's own in-training mismatch: an arm meant as a mismatch-free control is read beside it
-    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
-           if g.get("pre_collapse_mismatch") is not None}
+    own = arm_mismatch(grid)
     mismatch = ("; each arm's mean in-training mismatch (mean |dlogp| before any collapse): "
                 + ", ".join(f"{arm} {value:.3g}" for arm, value in own.items()) if own else "")
     text = (f"On a real pretrained model (SmolLM2-135M-Instruct; the grid and its tests written before it ran) "
@@ -247,12 +246,11 @@ def precision_finding(precision_results: Path | None) -> str | None:
     if path is None or not path.exists():
         return None
     grid = json.loads(path.read_text())
-    effects = grid.get("effects") or {}
-    if grid["decision"].get("outcome") == "incomplete" or effects.get("unfinished"):
+    if unfinished_runs(grid) is not None:
         return "The precision x mismatch grid on SmolLM2 has not finished; nothing of it is read."
+    effects = grid["effects"]
     alpha = grid["questions"]["alpha"]
-    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
-           if g.get("pre_collapse_mismatch") is not None}
+    own = arm_mismatch(grid)
     said = "; ".join(
         f"{name} ({' '.join(f'{w:+g} {arm}' for arm, w in e['contrast'].items())}) {e['shift']['estimate']:+.3f} "
         f"({100 * e['shift']['coverage']:.1f}% interval {e['shift']['low']:+.3f} to {e['shift']['high']:+.3f}, "

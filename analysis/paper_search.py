@@ -130,6 +130,21 @@ def _questions_table(grid: dict, what: str = "The real-model grid's", label: str
                                    f"and its interval alike)", label, placement="H")]
 
 
+def arm_mismatch(grid: dict) -> dict[str, float]:
+    """Each arm's mean in-training mismatch before any collapse, from a grid summary's groups (arms without one
+    left out)."""
+    return {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
+            if g.get("pre_collapse_mismatch") is not None}
+
+
+def unfinished_runs(grid: dict) -> int | None:
+    """How many runs a grid with pre-registered effects still lacks before they are read; None when it is complete."""
+    effects = grid.get("effects") or {}
+    if grid["decision"].get("outcome") == "incomplete" or effects.get("unfinished"):
+        return grid["decision"].get("unfinished", effects.get("unfinished"))
+    return None
+
+
 def post_hoc_text(grid: dict) -> str | None:
     """The grid's post-hoc comparisons (config ``post_hoc``, written after it ran) in one passage, each
     labelled post hoc, with what the arms' mismatch allows to conclude; None where there are none."""
@@ -154,8 +169,7 @@ def post_hoc_text(grid: dict) -> str | None:
         p = "" if c.get("signed_rank_p") is None else f", signed-rank p = {c['signed_rank_p']:.2g}"
         parts.append(f"{what}, {arms}: {size}, {c['a_lower']} of {c['pairs']} seeds lower{p}")
     arms = ph.get("arms") or {}
-    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
-           if g.get("pre_collapse_mismatch") is not None}
+    own = arm_mismatch(grid)
     text = "Post hoc (not pre-registered; written after the grid ran): " + "; ".join(parts) + "."
     if arms:
         text += (" Step-1 training reward per arm (seed means): " + ", ".join(
@@ -477,18 +491,17 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
         path.unlink(missing_ok=True)
         return None
     grid = json.loads(grid_json.read_text())
-    effects = grid.get("effects") or {}
     parts = ["\\section{Precision or mismatch? A grid on SmolLM2}",
              escape("The real-model grid's BF16 arms learned less than FP32 and all carried the same mismatch. This "
                     "grid crosses the two at its rung: FP32 on both sides (fp32), an FP32 trainer sampled by BF16 vLLM "
                     "(trainer-fp32) and stock BF16 (none), 8 seeds each, on one CPU type; its questions, effects and "
                     "what each outcome means were written in its config before it ran.")]
-    if grid["decision"].get("outcome") == "incomplete" or effects.get("unfinished"):
-        parts.append(escape(f"The grid has not finished ({grid['decision'].get('unfinished', effects.get('unfinished'))} "
-                            f"runs left); nothing of it is read."))
+    left = unfinished_runs(grid)
+    if left is not None:
+        parts.append(escape(f"The grid has not finished ({left} runs left); nothing of it is read."))
         write_text(path, "\n\n".join(parts) + "\n")
         return path
-    alpha = grid["questions"]["alpha"]
+    effects, alpha = grid["effects"], grid["questions"]["alpha"]
     parts.append(escape(grid["decision"]["statement"]))
     parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
     rows = [{"effect": name, "contrast": " ".join(f"{w:+g} {arm}" for arm, w in e["contrast"].items()),
@@ -503,8 +516,7 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
                           f"exact two-sided signed-rank test at alpha {alpha}, Hodges-Lehmann shift with the exact "
                           f"interval that inverts it; reading: below or above 0 where the interval excludes 0 at "
                           f"that alpha", "tab:preceffects", placement="H"))
-    own = {g["arm"]: g["pre_collapse_mismatch"] for g in grid.get("groups") or []
-           if g.get("pre_collapse_mismatch") is not None}
+    own = arm_mismatch(grid)
     if own:
         parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + ", ".join(
             f"{arm} {value:.3g}" for arm, value in own.items()) + ". The FP32-trainer cell's mismatch is not stock "
