@@ -90,18 +90,25 @@ def forkable() -> bool:
     return not os.environ.get(NO_FORK_ENV)
 
 
-def compatible(env: dict[str, str], base: dict[str, str], imported: dict[str, str | None]) -> bool:
-    """Whether a fresh process given ``env`` would import what the server imported under ``base``: every variable
-    the imports set (``imported``: its value after the imports, None where they removed it) absent from ``env`` or
-    already the value they set (a worker that imported the same libraries holds it too), and every other variable a
-    preloaded module may read at import (:data:`IMPORT_TIME_ENV`, less :data:`READ_AT_USE`) as in ``base``."""
+def incompatible(env: dict[str, str], base: dict[str, str], imported: dict[str, str | None]) -> list[str]:
+    """The variables for which a fresh process given ``env`` would not import what the server imported under
+    ``base`` (sorted; empty: the command may be forked): a variable the imports set (``imported``: its value after
+    the imports, None where they removed it) present in ``env`` with another value (a worker that imported the same
+    libraries holds the same one), or another variable a preloaded module may read at import
+    (:data:`IMPORT_TIME_ENV`, less :data:`READ_AT_USE`) that differs from ``base``."""
+    keys = []
     for key in {*env, *base, *imported}:
         if key in imported:
             if env.get(key) not in (None, imported[key]):
-                return False
+                keys.append(key)
         elif key.startswith(IMPORT_TIME_ENV) and key not in READ_AT_USE and env.get(key) != base.get(key):
-            return False
-    return True
+            keys.append(key)
+    return sorted(keys)
+
+
+def compatible(env: dict[str, str], base: dict[str, str], imported: dict[str, str | None]) -> bool:
+    """Whether the command may be forked: :func:`incompatible` finds no variable."""
+    return not incompatible(env, base, imported)
 
 
 FALLBACK_STATUS = 213
@@ -116,7 +123,10 @@ def _child(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: str,
     inherited = dict(os.environ)  # the server's: ``base`` and what its imports set
     imported = {k: v for k, v in inherited.items() if base.get(k) != v}
     imported.update({k: None for k in base if k not in inherited})
-    if not compatible(env, base, imported):
+    refused = incompatible(env, base, imported)
+    if refused:
+        with open(err, "w") as f:  # for the parent's ``FRESH`` (no stdout file: the child did not run the command)
+            f.write("\n".join(refused))
         os._exit(FALLBACK_STATUS)
     os.environ.clear()
     os.environ.update({**env, **{k: v for k, v in imported.items() if v is not None}})
@@ -149,12 +159,14 @@ def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subpr
             child.join()
             raise subprocess.TimeoutExpired(args, timeout)
         if child.exitcode == FALLBACK_STATUS and not os.path.exists(out):
-            FRESH.append(list(argv))
+            with open(err) as e:
+                FRESH.append((list(argv), e.read().split()))
             return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         with open(out, errors="replace") as o, open(err, errors="replace") as e:
             stdout, stderr = o.read(), e.read()
     return subprocess.CompletedProcess(args, child.exitcode, stdout, stderr)
 
 
-FRESH: list[list[str]] = []
-"""The commands of this worker that ran in a fresh process because their environment was not compatible."""
+FRESH: list[tuple[list[str], list[str]]] = []
+"""The commands of this worker that ran in a fresh process because their environment was not compatible, each with
+the variables that refused it (:func:`incompatible`)."""

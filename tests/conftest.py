@@ -70,6 +70,33 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
 
 
+def _restore_environment(saved: dict[str, str]) -> None:
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_environment():
+    """A test module's changes to ``os.environ`` end with the module (autouse: set up before the module's own
+    fixtures, so an engine a module fixture builds is inside). vLLM sets ~5 variables when it configures an engine
+    in-process (``VLLM_WORKER_MULTIPROC_METHOD``, ``TORCHINDUCTOR_CPP_DYNAMIC_THREADS``, ...), an in-process import of
+    OpenCV sets ``LD_LIBRARY_PATH``; left in a worker's environment they reached every later command of that worker
+    (:func:`run_py` passes it on) -- which then ran in a fresh process, not forked (measured: 9 commands of one
+    ``make test``), and a test's command depended on which tests ran before it on its worker."""
+    saved = dict(os.environ)
+    yield
+    _restore_environment(saved)
+
+
+@pytest.fixture(autouse=True)
+def _test_environment():
+    """A test's own changes to ``os.environ`` end with the test (:func:`_module_environment`)."""
+    saved = dict(os.environ)
+    yield
+    _restore_environment(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random Qwen2, Qwen3 and Llama checkpoints (local tokenizer, no hub)."""

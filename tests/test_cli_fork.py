@@ -26,15 +26,16 @@ def test_a_forked_command_ends_and_prints_as_a_fresh_process_does(tmp_path):
     """Same status, stdout, stderr and files for a refused command and a finished one; a command whose environment
     differs in a variable read at import runs in a fresh process, with the same result."""
     env = cli_fork.base_env()  # the session's environment (a test before this one may have changed os.environ)
+    earlier = len(cli_fork.FRESH)  # this worker's commands before this test (the list is the worker's)
     refused = ["parity", "--model", str(tmp_path / "missing"), "--regions", "all", "--out", "p.json"]
     finished = ["prompts", "--task", "synthetic-add", "--num-prompts", "3", "--out", "prompts.jsonl"]
     for argv, status in ((refused, 2), (finished, 0)):
         fresh, forked = _both(argv, env, tmp_path, argv[0])
         assert fresh == forked and fresh[0] == status, fresh
-    assert not cli_fork.FRESH  # both forked
+    assert cli_fork.FRESH[earlier:] == []  # both forked
     other = {**env, "VLLM_LOGGING_LEVEL": "WARNING"}  # read at import (vllm.logger)
     fresh, forked = _both(refused, other, tmp_path, "other")
-    assert fresh == forked and fresh[0] == 2 and cli_fork.FRESH == [refused]
+    assert fresh == forked and fresh[0] == 2 and cli_fork.FRESH[earlier:] == [(refused, ["VLLM_LOGGING_LEVEL"])]
 
 
 def test_which_environments_a_forked_child_takes():
@@ -46,8 +47,25 @@ def test_which_environments_a_forked_child_takes():
     assert cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, base, imported)  # a worker that imported
     assert not cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "4"}, base, imported)
     assert not cli_fork.compatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG"}, base, imported)
+    assert cli_fork.incompatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG", "TORCHINDUCTOR_COMPILE_THREADS": "4",
+                                  "RPA_REGIONS": "all"}, base, imported) == ["TORCHINDUCTOR_COMPILE_THREADS",
+                                                                            "VLLM_LOGGING_LEVEL"]  # what FRESH says
     assert not cli_fork.compatible({"PATH": "/bin"}, base, imported)  # unset where the server had it
     assert cli_fork.compatible({**base, "RPA_REGIONS": "all", "MASTER_PORT": "1"}, base, imported)
     # what rpa sets itself before it builds an engine, left in a worker's environment by an in-process test
     assert cli_fork.compatible({**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                                 "VLLM_PLUGINS": "x", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}, base, imported)
+
+
+def test_an_environment_change_left_by_a_test():
+    """With the next test: what a test leaves in ``os.environ`` (here as an in-process engine's configuration
+    does) is gone for the next one (tests/conftest.py), so it does not reach the next test's commands."""
+    import os
+
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+def test_does_not_reach_the_next_test():
+    import os
+
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
