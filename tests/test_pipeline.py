@@ -181,6 +181,7 @@ SMALL = {
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_small_pipeline_runs_end_to_end_and_resumes(tmp_path):
     config = {**copy.deepcopy(DEFAULT), **SMALL, "results": str(tmp_path / "results")}
     cfg = write_config(tmp_path, config)

@@ -32,7 +32,7 @@ from tests.conftest import REPO, tail
 from tests.slurm.jobs import dry_run_jobs, local_rules, sbatch_line
 from tests.test_pipeline import DEFAULT, write_config
 
-pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")

@@ -196,16 +196,16 @@ def test_an_fp32_trainer_beside_a_bf16_sampler_keeps_the_samplers_gap(tiny_dirs,
 
 
 def test_diagnose_all_aligned_first_divergence_is_attention(tiny_dirs, tmp_path, monkeypatch):
-    """``rpa diagnose`` of none and all, started as gpu-check's diagnose step starts them (its real commands, each
-    process kept for its output): the step passes on the real tables, and the aligned one diverges first at
-    attention or nowhere."""
+    """``rpa diagnose`` of none and all, with the commands gpu-check's diagnose step starts (its ``_rpa``:
+    ``python -m rpa.cli ...``, here forked as every test's ``rpa`` command, tests/cli_fork.py; each process kept for
+    its output): the step passes on the real tables, and the aligned one diverges first at attention or nowhere."""
     from rpa.measure.diagnose import BOUNDARIES, read_layers
     from rpa.workflow import gpucheck
 
-    started, real = {}, gpucheck._rpa
+    started = {}
 
-    def keep(*args, **kwargs):
-        proc = real(*args, **kwargs)
+    def keep(*args, timeout=1800):
+        proc = run_py(["-m", "rpa.cli", *args], timeout=timeout)
         started[args[args.index("--regions") + 1]] = proc
         return proc
 
