@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from analysis.runs import load_run
+from analysis.runs import ended_runs, load_run
 from rpa.core.jsonfiles import write_json
 
 LOGS = ("metrics", "evals")
@@ -58,13 +58,12 @@ def compare(runs: Path, reference: Path) -> dict[str, Any]:
     """Every run under ``runs`` against its counterpart under ``reference``: cell -> ``identical``,
     ``no reference run`` or its differences (:func:`compare_run`)."""
     out: dict[str, Any] = {}
-    for summary in sorted(runs.rglob("summary.json")):
-        cell = summary.parent.relative_to(runs)
-        counterpart = reference / cell
-        if not (counterpart / "summary.json").exists():
+    ended = set(ended_runs(reference))
+    for cell in ended_runs(runs):
+        if cell not in ended:
             out[str(cell)] = "no reference run"
             continue
-        diffs = compare_run(counterpart, summary.parent)
+        diffs = compare_run(reference / cell, runs / cell)
         out[str(cell)] = "identical" if not diffs else diffs
     return out
 

@@ -34,6 +34,7 @@ import json
 import shutil
 from pathlib import Path
 
+from analysis.runs import ended_runs
 from rpa.core.jsonfiles import read_jsonl, write_json, write_text
 from rpa.core.provenance import cpu_info, recorded_cpus
 
@@ -177,8 +178,8 @@ def main() -> None:
         write_machine(args.out)
         print(f"export: {cells} parity reports, probes and diagnoses -> {args.out}")
         return
-    runs = sorted(p.parent for p in (args.results / args.what).glob("**/summary.json")
-                  if "init" not in p.relative_to(args.results / args.what).parts)  # shared warm starts: no
+    tree = args.results / args.what
+    runs = [tree / run for run in ended_runs(tree) if "init" not in run.parts]  # shared warm starts: no
     if not runs:
         raise SystemExit(f"export: no runs under {args.results / args.what}")
     manifests = manifests_of(args.results, args.what)

@@ -123,6 +123,14 @@ def load_run(run_dir: Path) -> Run:
                evals=read_jsonl(run_dir / "eval.jsonl") if ended else [])
 
 
+def ended_runs(root: Path) -> list[Path]:
+    """Every ended run's folder under ``root`` (one holding a ``summary.json``), relative to ``root``, sorted: the
+    runs of a tree that has no manifest -- a results folder to compare with a committed one
+    (:mod:`analysis.check_runs`)."""
+    root = Path(root)
+    return [p.parent.relative_to(root) for p in sorted(root.rglob("summary.json"))]
+
+
 def flags(column):
     """A table's flag column (``collapsed``, ``absorbing``, ``summary_superseded``: True, False or
     missing) as booleans, a missing flag False: through pandas' nullable ``boolean``, so an
