@@ -1,5 +1,6 @@
 """The README's test command, what CI runs, and the `slow` set `make test` leaves out (issue 52)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -9,8 +10,15 @@ from tests.conftest import REPO
 STAMP = ".venv/.rpa-cpu-installed"  # the Makefile's set-up stamp: -o keeps `make -n` from planning the set-up
 
 
+MAKE_ENV = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TEST_SLOW", "TEST_WORKERS")
+"""What a `make` that runs this test passes on to a `make` it starts (``make test TEST_SLOW=1`` passes TEST_SLOW=1
+through MAKEFLAGS): left out, so `make -n` here answers for the Makefile's own defaults."""
+
+
 def _make_n(*args: str) -> str:
-    proc = subprocess.run(["make", "-n", "-o", STAMP, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_ENV}
+    proc = subprocess.run(["make", "-n", "-o", STAMP, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -31,8 +39,9 @@ def test_make_test_leaves_out_the_slow_tests_unless_asked():
 
 
 def test_the_slow_set_is_the_whole_tools_end_to_end():
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the whole suite's collection, as configured
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p", "no:cacheprovider",
-                           "-n", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "-n", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ids = {line for line in proc.stdout.splitlines() if "::" in line}
     files = {i.split("::")[0] for i in ids}
