@@ -17,7 +17,8 @@ from analysis.dose_text import statement
 from analysis.latex import booktabs, escape, readable
 from analysis.paired import fmt_change
 from analysis.paper_provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
-from analysis.paper_search import arm_mismatch, effect_reading, post_hoc_text, unfinished_runs
+from analysis.paper_search import (arm_mismatch, arms_text, contrast_text, effect_reading, post_hoc_text,
+                                   unfinished_runs)
 from analysis.runs import MANIFEST, read_manifest
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
@@ -226,8 +227,8 @@ def real_model_finding(real_search_results: Path | None) -> str | None:
              if env.get("max_pre_drop_mismatch") is not None and env.get("mean_entropy") is not None else "")
     # each arm's own in-training mismatch: an arm meant as a mismatch-free control is read beside it
     own = arm_mismatch(grid)
-    mismatch = ("; each arm's mean in-training mismatch (mean |dlogp| before any collapse): "
-                + ", ".join(f"{arm} {value:.3g}" for arm, value in own.items()) if own else "")
+    mismatch = ("; each arm's mean in-training mismatch (mean |dlogp| before any collapse): " + arms_text(own)
+                if own else "")
     text = (f"On a real pretrained model (SmolLM2-135M-Instruct; the grid and its tests written before it ran) "
             f"collapsed runs per arm: {arms}{reach}{mismatch}. By the pre-registered tests: {answers}.")
     if shifts:
@@ -252,12 +253,12 @@ def precision_finding(precision_results: Path | None) -> str | None:
     alpha = grid["questions"]["alpha"]
     own = arm_mismatch(grid)
     said = "; ".join(
-        f"{name} ({' '.join(f'{w:+g} {arm}' for arm, w in e['contrast'].items())}) {e['shift']['estimate']:+.3f} "
+        f"{name} ({contrast_text(e['contrast'])}) {e['shift']['estimate']:+.3f} "
         f"({100 * e['shift']['coverage']:.1f}% interval {e['shift']['low']:+.3f} to {e['shift']['high']:+.3f}, "
         f"p = {e['signed_rank_p']:.2g}): {effect_reading(e, alpha)}" for name, e in effects["effects"].items())
     return (f"Precision or mismatch (a grid on SmolLM2 crossing trainer precision with the mismatch, its effects "
             f"written before it ran; learning gain paired by seed): {said}. Each arm's mean in-training mismatch: "
-            + ", ".join(f"{arm} {value:.3g}" for arm, value in own.items())
+            + arms_text(own)
             + "; the FP32 trainer's mismatch is of another kind than stock BF16's (its sampler's BF16 weights lag "
               "the FP32 updates), so the grid prices that mismatch, not stock BF16's own.")
 

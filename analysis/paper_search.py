@@ -137,6 +137,16 @@ def arm_mismatch(grid: dict) -> dict[str, float]:
             if g.get("pre_collapse_mismatch") is not None}
 
 
+def arms_text(values: dict[str, float]) -> str:
+    """Per-arm values as the paper quotes them: ``arm value, ...`` to 3 significant digits."""
+    return ", ".join(f"{arm} {value:.3g}" for arm, value in values.items())
+
+
+def contrast_text(contrast: dict[str, float]) -> str:
+    """A contrast's weights as the paper writes them: ``+1 trainer-fp32 -1 fp32``."""
+    return " ".join(f"{w:+g} {arm}" for arm, w in contrast.items())
+
+
 def unfinished_runs(grid: dict) -> int | None:
     """How many runs a grid with pre-registered effects still lacks before they are read; None when it is complete."""
     effects = grid.get("effects") or {}
@@ -159,7 +169,7 @@ def post_hoc_text(grid: dict) -> str | None:
         if "a" in c:
             arms = " + ".join(c["a"]) + (" (mean per seed)" if len(c["a"]) > 1 else "") + f" - {c['b']}"
         else:
-            arms = " ".join(f"{w:+g} {arm}" for arm, w in c["contrast"].items())
+            arms = contrast_text(c["contrast"])
         if c.get("not_computed"):
             parts.append(f"{what}, {arms}: not computed ({c['not_computed']})")
             continue
@@ -177,8 +187,7 @@ def post_hoc_text(grid: dict) -> str | None:
             "logged step to the terminal reward: " + ", ".join(f"{arm} {a['reward_gain']:.3f}" for arm, a in arms.items())
             + ".")
     if own:
-        text += (" Each arm's mean in-training mismatch: " + ", ".join(
-            f"{arm} {value:.3g}" for arm, value in own.items()) + "; BF16 arms that carry the same mismatch "
+        text += (" Each arm's mean in-training mismatch: " + arms_text(own) + "; BF16 arms that carry the same mismatch "
             "confound BF16 arithmetic with the mismatch, so a gap between them and FP32 does not say which costs "
             "the learning.")
     return text
@@ -504,7 +513,7 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
     effects, alpha = grid["effects"], grid["questions"]["alpha"]
     parts.append(escape(grid["decision"]["statement"]))
     parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
-    rows = [{"effect": name, "contrast": " ".join(f"{w:+g} {arm}" for arm, w in e["contrast"].items()),
+    rows = [{"effect": name, "contrast": contrast_text(e["contrast"]),
              "pairs": e["pairs"], "mean": e["mean_difference"], "below 0": f"{e['a_lower']} of {e['pairs']}",
              "signed-rank p": e["signed_rank_p"], "HL shift": e["shift"]["estimate"],
              "exact interval": f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g} "
@@ -518,14 +527,13 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
                           f"that alpha", "tab:preceffects", placement="H"))
     own = arm_mismatch(grid)
     if own:
-        parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + ", ".join(
-            f"{arm} {value:.3g}" for arm, value in own.items()) + ". The FP32-trainer cell's mismatch is not stock "
-            "BF16's kind: its engine holds the BF16 rounding of the FP32 weights, so updates below half a BF16 ulp "
-            "move the trainer's policy and not the sampler's, and the gap grows with training (the ratio to stock "
-            "BF16's below); stock BF16's two sides hold the same weights and differ in where they round. An effect "
-            "of that cell against fp32 is the cost of this kind and size of mismatch; whether stock BF16's own "
-            "mismatch costs it learning needs a cell with BF16 arithmetic and no mismatch, which did not qualify "
-            "on this CPU."))
+        parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + arms_text(own)
+            + ". The FP32-trainer cell's mismatch is not stock BF16's kind: its engine holds the BF16 rounding of the "
+            "FP32 weights, so updates below half a BF16 ulp move the trainer's policy and not the sampler's, and the "
+            "gap grows with training (the ratio to stock BF16's below); stock BF16's two sides hold the same weights "
+            "and differ in where they round. An effect of that cell against fp32 is the cost of this kind and size "
+            "of mismatch; whether stock BF16's own mismatch costs it learning needs a cell with BF16 arithmetic and no "
+            "mismatch, which did not qualify on this CPU."))
     parts += _stage_notes(grid)
     parts += _stage_groups(grid, "The precision grid's runs per arm", "tab:precgrid")
     parts += _copied_figure(results / "figures" / "search_grid.png", out_dir, "precision_", "The precision grid: "
