@@ -16,7 +16,7 @@ TEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # 1: `make test` runs the `slow` tests too (pyproject.toml: a whole tool end to end -- the pipeline through SLURM, the
 # main pipeline with its resume, gpu-check -- each of whose parts other tests check); .ci/run sets it. Without them
-# the suite is ~2 minutes shorter on 2 cores (docs/testing.md)
+# the suite is ~3 minutes shorter on 2 cores (docs/testing.md)
 TEST_SLOW   ?= 0
 PYTEST_SLOW := $(if $(filter 1,$(TEST_SLOW)),,-m "not slow")
 BIN         := $(VENV)/bin

@@ -181,7 +181,7 @@ def main() -> None:
     tree = args.results / args.what
     runs = [tree / run for run in ended_runs(tree) if "init" not in run.parts]  # shared warm starts: no
     if not runs:
-        raise SystemExit(f"export: no runs under {args.results / args.what}")
+        raise SystemExit(f"export: no runs under {tree}")
     manifests = manifests_of(args.results, args.what)
     if args.what in ("search", "grids"):  # stages run in sittings from different results folders: replace the exported ones only
         stale = [args.out / args.what / m.parent.name for m in manifests]

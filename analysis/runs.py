@@ -126,7 +126,7 @@ def load_run(run_dir: Path) -> Run:
 def ended_runs(root: Path) -> list[Path]:
     """Every ended run's folder under ``root`` (one holding a ``summary.json``), relative to ``root``, sorted: the
     runs of a tree that has no manifest -- a results folder to compare with a committed one
-    (:mod:`analysis.check_runs`)."""
+    (:mod:`analysis.check_runs`), or to export (:mod:`analysis.export_reference`)."""
     root = Path(root)
     return [p.parent.relative_to(root) for p in sorted(root.rglob("summary.json"))]
 

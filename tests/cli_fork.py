@@ -12,7 +12,7 @@ What the forked child does not repeat is the import of :data:`PRELOAD` -- nothin
 started, and vLLM's plugin (the region set) is loaded by the child's first engine, as in a fresh process. Where
 the import itself is what a test checks (``-X importtime``, a script), :func:`run` is not used; where a command's
 environment differs from the server's in a variable a preloaded module may read at import (:data:`IMPORT_TIME_ENV`),
-or sets at import to another value (:func:`compatible`), the command runs in a fresh process instead. What the
+or sets at import to another value (:func:`incompatible`), the command runs in a fresh process instead. What the
 preload's imports set in the environment (vLLM and torch set ~10 variables when imported) is applied over the
 command's environment in the child, as the same imports would have applied it in a fresh process.
 """
@@ -44,7 +44,8 @@ every access (its cache is turned on only once an engine has started, which the 
 of vLLM 0.32 or TRL reads them at module level (grep) -- the plugin loader when an engine starts, the model-info and
 compile caches when they are opened, the engine's process layout, serialization and KV cache when it is built. The
 last four are the ones ``rpa`` sets itself before it builds an engine (:func:`rpa.sides.engine.make_llm_env`), so an
-in-process test leaves them in its worker's environment. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` in each call of
+in-process engine leaves them in the environment of its test module's later commands (tests/conftest.py clears them
+when the module ends). Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` in each call of
 its ``cache_dir()`` (and sets it there to the default where it is unset: another trace an in-process compile leaves)."""
 
 NO_FORK_ENV = "RPA_TEST_NO_FORK"
@@ -86,7 +87,7 @@ def _context():
 
 def forkable() -> bool:
     """Whether commands are forked at all (:data:`NO_FORK_ENV`); whether one command's environment allows it is
-    :func:`compatible`'s, decided in the child, which knows what the preload's imports set."""
+    :func:`incompatible`'s, decided in the child, which knows what the preload's imports set."""
     return not os.environ.get(NO_FORK_ENV)
 
 
@@ -106,19 +107,14 @@ def incompatible(env: dict[str, str], base: dict[str, str], imported: dict[str, 
     return sorted(keys)
 
 
-def compatible(env: dict[str, str], base: dict[str, str], imported: dict[str, str | None]) -> bool:
-    """Whether the command may be forked: :func:`incompatible` finds no variable."""
-    return not incompatible(env, base, imported)
-
-
 FALLBACK_STATUS = 213
-"""A forked child's status when :func:`compatible` refuses its environment (``rpa`` exits 0, 1 or 2): the command
+"""A forked child's status when :func:`incompatible` refuses its environment (``rpa`` exits 0, 1 or 2): the command
 then runs in a fresh process."""
 
 
 def _child(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In the forked child: the command's environment with what the preload's imports set applied over it, as they
-    would have been in a fresh process (or :data:`FALLBACK_STATUS` where :func:`compatible` refuses it), its folder,
+    would have been in a fresh process (or :data:`FALLBACK_STATUS` where :func:`incompatible` refuses it), its folder,
     argv and output files, then the console script."""
     inherited = dict(os.environ)  # the server's: ``base`` and what its imports set
     imported = {k: v for k, v in inherited.items() if base.get(k) != v}
@@ -145,7 +141,7 @@ def _child(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: str,
 
 def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
     """``python -m rpa.cli argv`` in a forked child -- or a fresh process where the child finds the environment
-    incompatible (:func:`compatible`; counted in ``FRESH``) -- and what :func:`subprocess.run` with
+    incompatible (:func:`incompatible`; counted in ``FRESH``) -- and what :func:`subprocess.run` with
     ``capture_output=True, text=True`` returns (``TimeoutExpired`` after ``timeout`` seconds, the child killed)."""
     ctx = _context()
     args = [sys.executable, "-m", "rpa.cli", *argv]

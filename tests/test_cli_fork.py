@@ -43,18 +43,19 @@ def test_which_environments_a_forked_child_takes():
     variables read at import must be the server's; those vLLM and Inductor read at use may differ."""
     base = {"PATH": "/bin", "VLLM_LOGGING_LEVEL": "INFO"}
     imported = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "LD_PRELOAD": "libgomp.so.1"}
-    assert cli_fork.compatible(dict(base), base, imported)
-    assert cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, base, imported)  # a worker that imported
-    assert not cli_fork.compatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "4"}, base, imported)
-    assert not cli_fork.compatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG"}, base, imported)
+    assert cli_fork.incompatible(dict(base), base, imported) == []
+    assert cli_fork.incompatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, base, imported) == []  # imported too
+    assert cli_fork.incompatible({**base, "TORCHINDUCTOR_COMPILE_THREADS": "4"}, base, imported) == [
+        "TORCHINDUCTOR_COMPILE_THREADS"]
+    assert cli_fork.incompatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG"}, base, imported) == ["VLLM_LOGGING_LEVEL"]
     assert cli_fork.incompatible({**base, "VLLM_LOGGING_LEVEL": "DEBUG", "TORCHINDUCTOR_COMPILE_THREADS": "4",
                                   "RPA_REGIONS": "all"}, base, imported) == ["TORCHINDUCTOR_COMPILE_THREADS",
                                                                             "VLLM_LOGGING_LEVEL"]  # what FRESH says
-    assert not cli_fork.compatible({"PATH": "/bin"}, base, imported)  # unset where the server had it
-    assert cli_fork.compatible({**base, "RPA_REGIONS": "all", "MASTER_PORT": "1"}, base, imported)
-    # what rpa sets itself before it builds an engine, left in a worker's environment by an in-process test
-    assert cli_fork.compatible({**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                "VLLM_PLUGINS": "x", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}, base, imported)
+    assert cli_fork.incompatible({"PATH": "/bin"}, base, imported) == ["VLLM_LOGGING_LEVEL"]  # unset where it was set
+    assert cli_fork.incompatible({**base, "RPA_REGIONS": "all", "MASTER_PORT": "1"}, base, imported) == []
+    # what rpa sets itself before it builds an engine, left in the environment by an in-process test
+    assert cli_fork.incompatible({**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                  "VLLM_PLUGINS": "x", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}, base, imported) == []
 
 
 def test_an_environment_change_left_by_a_test():
