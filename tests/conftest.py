@@ -82,8 +82,9 @@ def _module_environment():
     fixtures, so an engine a module fixture builds is inside). vLLM sets ~5 variables when it configures an engine
     in-process (``VLLM_WORKER_MULTIPROC_METHOD``, ``TORCHINDUCTOR_CPP_DYNAMIC_THREADS``, ...), an in-process import of
     OpenCV sets ``LD_LIBRARY_PATH``; left in a worker's environment they reached every later command of that worker
-    (:func:`run_py` passes it on) -- which then ran in a fresh process, not forked (measured: 9 commands of one
-    ``make test``), and a test's command depended on which tests ran before it on its worker."""
+    (:func:`run_py` passes it on) -- which then ran in a fresh process, not forked (3 commands of one ``make test``,
+    counted against a run with this fixture: a train, a parity, a convert), and a test's command depended on which
+    tests ran before it on its worker."""
     saved = dict(os.environ)
     yield
     _restore_environment(saved)
