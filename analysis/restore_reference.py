@@ -26,6 +26,8 @@ import shutil
 import time
 from pathlib import Path
 
+from analysis.refusal import Refused, run
+
 FOLDERS = ("search", "dose", "study")
 """The reference folders whose runs the workflow can go on from (the grids' results folders)."""
 WRITTEN_FIRST = ("run.yaml", "manifest.json")
@@ -85,11 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, type=Path, help="the results folder the workflow writes")
     args = parser.parse_args(argv)
     if not any((args.reference / f).is_dir() for f in FOLDERS):
-        parser.error(f"{args.reference} has no {', '.join(FOLDERS)} folder of runs")  # exit 2, nothing written
+        raise Refused(f"restore: {args.reference} has no {', '.join(FOLDERS)} folder of runs")  # nothing written
+    src, dst = args.reference.resolve(), args.results.resolve()
+    if src == dst or src.is_relative_to(dst) or dst.is_relative_to(src):  # copies into what is being copied
+        raise Refused(f"restore: --reference {args.reference} and --results {args.results} are one folder or nested; "
+                     "restore into a results folder beside the reference")
     copied = restore(args.reference, args.results)
     print("restore: " + ", ".join(f"{folder} {n} files" for folder, n in copied.items()) + f" -> {args.results}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

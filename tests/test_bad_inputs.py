@@ -217,6 +217,21 @@ def test_a_directory_holding_another_commands_output_is_refused(capsys, model, t
     assert (probe_dir / "summary.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("record", ["{\"command\": \"probe\", \"opt", "[1, 2]", "\"probe\"", b"\xff\xfe",
+                                    "{\"command\": \"probe\", \"options\": [1]}"])
+def test_a_finished_directory_whose_record_cannot_be_read_is_refused_not_overwritten(capsys, model, tmp_path, record):
+    """An unreadable options.json is an error, not an absence (issue 67): the directory may hold a finished run
+    made with other options, and a probe into it took it as unrecorded and wrote over it."""
+    out = tmp_path / "probe"
+    out.mkdir()
+    path = out / "options.json"
+    path.write_bytes(record if isinstance(record, bytes) else record.encode())
+    (out / "summary.json").write_text('{"mean_abs_dlogp": 0.5}')
+    refused(capsys, probe(model, out), f"{path} is unreadable")
+    assert (out / "summary.json").read_text() == '{"mean_abs_dlogp": 0.5}' and path.read_bytes() == (
+        record if isinstance(record, bytes) else record.encode())
+
+
 # ------------------------------------------------------------------ kind 4: one line, not a dump
 
 def test_argparse_and_yaml_errors_are_one_line(capsys, model, tmp_path):

@@ -245,11 +245,11 @@ def test_the_grid_goes_on_from_committed_runs(tmp_path):
 
 
 def test_restoring_from_a_folder_without_runs_is_refused(tmp_path, capsys):
+    from analysis.refusal import run
     from analysis.restore_reference import main
 
-    with pytest.raises(SystemExit) as stop:
-        main(["--reference", str(tmp_path / "nothing"), "--results", str(tmp_path / "r")])
-    assert stop.value.code == 2 and "has no search, dose, study folder of runs" in capsys.readouterr().err
+    code = run(lambda: main(["--reference", str(tmp_path / "nothing"), "--results", str(tmp_path / "r")]))
+    assert code == 2 and "has no search, dose, study folder of runs" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

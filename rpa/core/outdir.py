@@ -25,6 +25,10 @@ class OutputDirectoryTaken(InputError):
     """``--out`` holds the output of the same command run with other options."""
 
 
+class DamagedRecord(InputError):
+    """``--out`` holds an ``options.json`` that cannot be read as a record."""
+
+
 class DirectoryBusy(UserError):
     """Another process runs the directory."""
 
@@ -85,14 +89,20 @@ def differing_keys(recorded: dict[str, Any], requested: dict[str, Any]) -> list[
 
 def _recorded_diff(out: str | Path, command: str, options: dict[str, Any]) -> tuple[str, list[str]] | None:
     """(the recorded command, how its options differ from ``command`` with ``options``) for ``out``'s
-    ``options.json``; None where it has no readable record."""
+    ``options.json``; None where it has none (:class:`DamagedRecord` where it cannot be read)."""
     path = Path(out) / OPTIONS_FILE
     if not path.is_file():
         return None
     try:
         recorded = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # not a record this module wrote (its writes are atomic): claim the directory anew
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        recorded = exc
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("options", {}), dict):
+        # not a record this module wrote (its writes are atomic): the directory may hold a finished run made with
+        # other options, so it is neither taken as unrecorded nor overwritten
+        why = recorded if isinstance(recorded, Exception) else f"a JSON {type(recorded).__name__}, not a record"
+        raise DamagedRecord(f"--out {out}: {path} is unreadable ({str(why).splitlines()[0] if str(why) else why!r}); "
+                            f"delete it (or the directory) to run again")
     if recorded.get("command") != command:
         return recorded.get("command"), [f"command: {recorded.get('command')!r} -> {command!r}"]
     return command, differing_keys(recorded.get("options", {}), options)
