@@ -128,3 +128,33 @@ def test_every_result_names_the_converted_models_source(tiny_gguf, tmp_path):
     assert model_source(init)["source"]["sha256"] == record["sha256"]
     assert model_source(tmp_path / "elsewhere") == {"path": str(tmp_path / "elsewhere")}
     assert "model_source" not in provenance()
+
+
+def test_a_second_conversion_into_the_same_out_is_refused_before_any_work(tiny_gguf, tmp_path):
+    """Issue 67: a second ``rpa convert`` started while the first runs converted everything again and died with
+    "Directory not empty", leaving a full ``.<out>.converting`` copy. The lock beside the output refuses it in one
+    line, before the file is even hashed."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "model"
+    lock = tmp_path / ".model.convert.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 1'); f.flush(); print('held', flush=True); "
+                               "time.sleep(60)", str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        proc = run_py(["-m", "rpa.cli", "convert", "--gguf", str(tiny_gguf["path"]), "--out", str(out)])
+        assert proc.returncode == 2, tail(proc)
+        assert "in use by a running rpa convert" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert not out.exists() and not (tmp_path / ".model.converting").exists()
+        assert time.monotonic() - start < 60
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = run_py(["-m", "rpa.cli", "convert", "--gguf", str(tiny_gguf["path"]), "--out", str(out)])
+    assert proc.returncode == 0, tail(proc)  # the holder gone, the conversion runs
+    assert (out / "rpa_source.json").is_file() and not (out / ".lock").exists()
+    assert not (tmp_path / ".model.converting").exists()

@@ -40,12 +40,18 @@ _HELD: dict[str, Any] = {}  # directory -> the open lock file this process holds
 def lock_dir(out: str | Path, command: str, busy: type[DirectoryBusy] = DirectoryBusy) -> None:
     """Hold an exclusive lock on ``out/.lock`` for the life of this process, or raise ``busy``.
     ``flock`` locks die with their process, so a killed run leaves no stale lock."""
+    lock_file(Path(out) / LOCK_FILE, out, command, busy)
+
+
+def lock_file(path: str | Path, out: str | Path, command: str, busy: type[DirectoryBusy] = DirectoryBusy) -> None:
+    """Hold an exclusive lock on the file ``path`` (created) for the life of this process, or raise ``busy`` naming
+    ``out``, the output it guards (a lock beside an output that appears by a rename: ``rpa convert``)."""
     import fcntl
 
-    key = str(Path(out).resolve())
+    key = str(Path(path).resolve())
     if key in _HELD:
         return  # this process holds it already
-    handle = open(Path(out) / LOCK_FILE, "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
+    handle = open(path, "a+")  # noqa: SIM115 - held open: the lock lives as long as the process
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

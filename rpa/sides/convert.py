@@ -147,8 +147,16 @@ def convert_gguf(spec: GgufSource, out_dir: str | Path) -> dict[str, Any]:
     """Convert ``spec``'s GGUF file into the checkpoint directory ``out_dir`` (see the module doc);
     returns its source record. Safe to run twice: a finished conversion of the same file does
     nothing; two at once on one directory are refused (the second finds the first's lock)."""
+    from rpa.core.outdir import lock_file
+
     path = spec.locate()
     out = Path(out_dir)
+    if out.parent.exists() and not out.parent.is_dir():
+        raise InputError(f"--out {out}: its parent {out.parent} is a file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # beside the output (which appears whole, by a rename): a second conversion into it is refused here, before
+    # any work, and one started after the first finished finds the conversion below
+    lock_file(out.with_name(f".{out.name}.convert.lock"), out, "convert")
     header = read_gguf_header(path)
     sha256 = sha256_of(path)
     if spec.sha256 is not None and sha256 != spec.sha256.lower():
@@ -169,15 +177,14 @@ def convert_gguf(spec: GgufSource, out_dir: str | Path) -> dict[str, Any]:
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"gguf file {path} ({header['architecture']}): {err}") from None
 
-    from rpa.core.outdir import lock_dir
-
     tmp = out.with_name(f".{out.name}.converting")
-    tmp.mkdir(parents=True, exist_ok=True)
-    lock_dir(tmp, "convert")  # a second conversion into the same directory is refused here
-    for stale in tmp.iterdir():  # a killed earlier attempt's files
-        if stale.name != ".lock":
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-    _write_checkpoint(path, config, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier attempt's files (under the lock: not a live one's)
+    tmp.mkdir(parents=True)
+    try:
+        _write_checkpoint(path, config, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion leaves no half checkpoint behind
+        raise
     record = source_record(spec, path, header, sha256)
     from rpa.core.jsonfiles import write_json
 
