@@ -105,6 +105,9 @@ run_config = write_run_config
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"temperature": float("inf")}, "temperature: must be a finite number"),
+    ({"temperature": 0.005}, "vLLM raises a smaller one to 0.01"),  # issue 67: vLLM's own bounds, before it starts
+    ({"temperature": 2.5}, "vLLM refuses a larger one"),
+    ({"eval_temperature": 0.001}, "eval_temperature must be in [0.01, 2] (or 0: greedy), got 0.001"),
     ({"numerics": "all"}, "numerics must be a mapping"),
     ({"sync_check": {"probe_tokens": 400}, "max_prompt_length": 64, "max_completion_length": 32},
      "sync_check.probe_tokens 400 is longer than the engine's context (104 tokens)"),
@@ -118,6 +121,7 @@ def test_run_values_vllm_or_transformers_would_have_refused_late(capsys, model, 
 
 def test_probe_values_only_vllm_checked(capsys, model, tmp_path):
     refused(capsys, probe(model, tmp_path / "o", "--seed", str(2 ** 32)), "seed must be in [0, 2**32)")
+    refused(capsys, probe(model, tmp_path / "o", "--temperature", "0.005"), "vLLM raises a smaller one to 0.01")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"model": str(model), "regions": "all", "ratio_band": 1.25}))
     refused(capsys, ["probe", "--config", job, "--out", tmp_path / "o"], "ratio_band: must be a list of 2 values")

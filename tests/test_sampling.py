@@ -25,8 +25,10 @@ def _logits(rows=64, vocab=512, seed=0, scale=4.0, bf16=False):
 
 
 @pytest.mark.parametrize("bad, msg", [
-    ({"temperature": 0}, "temperature must be a finite number > 0, got 0"),
-    ({"temperature": math.nan}, "temperature must be a finite number > 0"),
+    ({"temperature": 0}, "temperature must be in [0.01, 2], got 0"),
+    ({"temperature": math.nan}, "temperature must be a finite number"),
+    ({"temperature": 0.005}, "vLLM raises a smaller one to 0.01 while the trainer divides by the value given"),
+    ({"temperature": 2.5}, "temperature must be in [0.01, 2], got 2.5: vLLM refuses a larger one"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
     ({"top_k": -2}, "top_k must be an integer >= -1 (-1 or 0: off), got -2"),

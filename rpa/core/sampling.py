@@ -59,12 +59,33 @@ vLLM's rule finds it on the trainer's own logits (:func:`renormalised_logprobs`)
 top-k on, its ratio to the sampler's processed logprob carries rounding only, not the kept mass."""
 
 
+VLLM_TEMPERATURE_RANGE = (1e-2, 2.0)
+"""The temperatures vLLM samples at as given (vLLM 0.32 ``SamplingParams``): it raises one in (0, 0.01) to 0.01
+(``_MAX_TEMP``, with a warning the train log never shows) while the trainer would divide by the value given, and
+refuses one above 2 once the engine has started. Refused here, before anything loads."""
+
+
+def temperature_problem(value, name: str = "temperature", greedy: bool = False) -> str | None:
+    """Why ``value`` cannot be a sampling temperature both sides use as given, in one line (``greedy``: 0 allowed,
+    vLLM's greedy decoding); None if it can."""
+    low, high = VLLM_TEMPERATURE_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"{name} must be a finite number, got {value!r}"
+    if greedy and value == 0:
+        return None
+    if not low <= value <= high:
+        return (f"{name} must be in [{low:g}, {high:g}]{' (or 0: greedy)' if greedy else ''}, got {value!r}: vLLM "
+                f"{'raises a smaller one to 0.01 while the trainer divides by the value given' if value < low else 'refuses a larger one'}")
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How the sampler draws a token, and which logprob of it it reports: one definition for the
     probe and for training (the trainer's recompute scales by the same ``temperature``)."""
 
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature, in [0.01, 2] (vLLM's range: VLLM_TEMPERATURE_RANGE)"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus truncation: keep the smallest set of most likely tokens holding at least this probability "
                 "(0 < top_p <= 1; 1: off)"})
@@ -82,8 +103,8 @@ class SamplingSettings:
     def problem(self) -> str | None:
         """Why these settings cannot be sampled with, in one line; None if they can."""
         number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-        if not number(self.temperature) or not self.temperature > 0:
-            return f"temperature must be a finite number > 0, got {self.temperature!r}"
+        if temperature_problem(self.temperature):
+            return temperature_problem(self.temperature)
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             return f"top_p must be in (0, 1], got {self.top_p!r}"
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -260,9 +260,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TrainConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        if isinstance(self.eval_temperature, bool) or not isinstance(self.eval_temperature, (int, float)) \
-                or not self.eval_temperature >= 0:
-            raise TrainConfigError(f"eval_temperature: must be a number >= 0, got {self.eval_temperature!r}")
+        from rpa.core.sampling import temperature_problem
+
+        if temperature_problem(self.eval_temperature, "eval_temperature", greedy=True):
+            raise TrainConfigError(temperature_problem(self.eval_temperature, "eval_temperature", greedy=True))
         if self.trainer_decode != "cached" and self.rollouts != "trainer":
             raise TrainConfigError("trainer_decode: only rollouts: trainer decodes on the trainer (vLLM samples "
                                    "with its own engine)")
