@@ -20,6 +20,7 @@ import sys
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from rpa.core.yamlfiles import YamlError, load_yaml
 from rpa.workflow.pipeline import PipelineConfigError, check_config, schema_problem
 
 
@@ -32,12 +33,16 @@ if "models" not in config:
 
 
 try:
+    # each config file read again by rpa's own YAML reader: a key written twice (Snakemake's loader keeps the last,
+    # silently: a sampling block, a grid entry, a decision effect) is refused, naming the file, line and column
+    for _configfile in [*workflow.configfiles, *([] if workflow.configfiles else ["experiments/config.yaml"])]:
+        load_yaml(_configfile)
     validate(config, "experiments/schema/config.schema.yaml")  # also fills in the schema's defaults
     GRIDS = check_config(config)  # the grids' cells and process groups by section, made once (rules/common.smk)
     CELLS = GRIDS.cells
 except WorkflowError:  # one line naming the key, not Snakemake's schema-and-config dump
     sys.exit(f"rpa config: error: {schema_problem(config, 'experiments/schema/config.schema.yaml')}")
-except PipelineConfigError as err:  # one line per invalid entry
+except (PipelineConfigError, YamlError) as err:  # one line per invalid entry
     sys.exit(f"rpa config: error: {err}")
 
 

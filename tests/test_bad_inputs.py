@@ -252,7 +252,7 @@ def test_argparse_and_yaml_errors_are_one_line(capsys, model, tmp_path):
 
 def _snakemake_parse(tmp_path, config, **env_vars):
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.write_text(config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False))
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}",
            **env_vars}
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(path)],
@@ -273,6 +273,10 @@ def test_snakemake_configs_are_refused_at_parse_time_in_one_line(tmp_path):
     mistral.mkdir()
     (mistral / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
     cases.append(({**base, "models": {"m": {"path": str(mistral)}}}, "model_type='mistral'"))
+    # issue 67: a key written twice (Snakemake's loader keeps the last one), at any depth
+    text = yaml.safe_dump(base, sort_keys=False)
+    cases.append((text + f"results: {tmp_path / 'other'}\n", "config.yaml:"))
+    cases.append((text.replace("diagnose:\n", "diagnose:\n  sequences: 1\n", 1), "duplicate key 'sequences'"))
     for config, needle in cases:
         proc = _snakemake_parse(tmp_path, config)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -470,3 +474,27 @@ def test_completions_naming_a_directory_is_one_line(capsys, model, tmp_path, com
     reads completions."""
     refused(capsys, [command, "--model", model, "--regions", "all", "--out", tmp_path / "o", "--completions", tmp_path],
             f"{tmp_path}: is a directory, not a completions file", absent=tmp_path / "o")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"arm_axis": "armm"}, "decision.arm_axis: 'armm' is not an axis of the grid (arm, rung)"),
+    ({"rung_axis": "lr"}, "decision.rung_axis: 'lr' is not an axis of the grid"),
+    ({"treatment_arm": "nothing"}, "decision.treatment_arm: 'nothing' is not a label of the grid's 'arm' axis"),
+    ({"questions": {"Q1": {"question": "?", "a": "none", "b": "none"}}}, "decision.questions.Q1: compares 'none' with itself"),
+    ({"effects": {"e": {"contrast": {"none": float("nan"), "fp32": 1}}}}, "weights must be finite numbers"),
+    ({"effects": {"e": {"contrast": {"none": float("inf"), "fp32": float("-inf")}}}}, "weights must be finite numbers"),
+    ({"effects": {"e": {"contrast": {"none": 0, "fp32": 0}}}}, "decision.effects.e: every weight is 0"),
+    ({"min_reference_collapsed": 9}, "min_reference_collapsed: 9 is more than any arm's runs (8)"),
+])
+def test_a_decision_naming_nothing_or_unreachable_is_refused_in_one_line(change, needle):
+    """Issue 67: decisions that passed the dry run but meant nothing -- an axis or arm that is not there (an unknown
+    arm axis was 14 lines blaming every arm), an arm compared with itself, NaN / infinite / all-zero weights (a NaN
+    sum passed the sum check), a collapse count above the seeds."""
+    from rpa.workflow.pipeline import PipelineConfigError, check_config
+
+    config = yaml.safe_load((REPO / "experiments/precision-smollm2.yaml").read_text())
+    config["search"]["decision"].update(change)
+    with pytest.raises(PipelineConfigError) as err:
+        check_config(config)
+    lines = [line for line in str(err.value).splitlines() if line.strip() and "invalid pipeline config" not in line]
+    assert len(lines) == 1 and needle in lines[0], lines

@@ -255,22 +255,9 @@ def _search_after(config: dict[str, Any], search: dict[str, Any], key: str, cell
                   runs_valid: bool) -> list[str]:
     rule = search.get("decision") or {}
     has_grid = "grid" in (search.get("stages") or {})
-    arms = {c.labels.get(rule.get("arm_axis", "")) for c in cells if grid_stage(c) == "grid"}
-    problems = []
-    for name in ("reference_arm", "control_arm"):
-        if has_grid and rule.get(name) not in arms:
-            problems.append(f"{key}.decision.{name}: {rule.get(name)!r} is not a label of the grid's "
-                            f"{rule.get('arm_axis')!r} axis")
-    for name, q in (rule.get("questions") or {}).items() if has_grid else ():
-        problems += [f"{key}.decision.questions.{name}.{side}: {q[side]!r} is not a label of the grid's "
-                     f"{rule.get('arm_axis')!r} axis" for side in ("a", "b") if q[side] not in arms]
-    for name, e in (rule.get("effects") or {}).items():
-        weights = e.get("contrast") or {}
-        problems += [f"{key}.decision.effects.{name}: {arm!r} is not a label of the grid's "
-                     f"{rule.get('arm_axis')!r} axis" for arm in weights if arm not in arms]
-        if abs(sum(weights.values())) > 1e-9:
-            problems.append(f"{key}.decision.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, "
-                            "not 0 (an effect compares arms)")
+    grid = [c for c in cells if grid_stage(c) == "grid"]
+    problems = decision_problems(rule, grid, f"{key}.decision") if has_grid else []
+    arms = {c.labels.get(rule.get("arm_axis", "")) for c in grid}
     for name, c in ((search.get("post_hoc") or {}).get("comparisons") or {}).items():
         named = [*(c["a"] if isinstance(c["a"], list) else [c["a"]]), c["b"]]
         if len(set(named)) < len(named):
@@ -278,6 +265,55 @@ def _search_after(config: dict[str, Any], search: dict[str, Any], key: str, cell
                             "a comparison takes each arm once")
         problems += [f"{key}.post_hoc.comparisons.{name}: {arm!r} is not a label of the grid's "
                      f"{rule.get('arm_axis')!r} axis" for arm in named if arm not in arms]
+    return problems
+
+
+def decision_problems(rule: dict[str, Any], cells: list[Cell], key: str) -> list[str]:
+    """What is wrong with a grid's registered decision ``rule`` over its ``cells``, one line each: axes and arms it
+    names that the grid does not have (an unknown arm axis is one line, not one per arm), a question comparing an
+    arm with itself, an effect whose weights are not finite, all zero or do not sum to 0, a collapse count no arm's
+    seeds can reach."""
+    import math
+
+    axes = {axis for c in cells for axis in c.labels}
+    arm_axis = rule.get("arm_axis")
+    if arm_axis not in axes:
+        return [f"{key}.arm_axis: {arm_axis!r} is not an axis of the grid ({', '.join(sorted(axes)) or 'none'})"]
+    problems = []
+    if "rung_axis" in rule and rule["rung_axis"] not in axes:
+        problems.append(f"{key}.rung_axis: {rule['rung_axis']!r} is not an axis of the grid ({', '.join(sorted(axes))})")
+    arms = {c.labels[arm_axis] for c in cells}
+    named = f"a label of the grid's {arm_axis!r} axis ({', '.join(sorted(arms))})"
+    for name in ("reference_arm", "control_arm", "treatment_arm"):
+        if (name != "treatment_arm" or name in rule) and rule.get(name) not in arms:
+            problems.append(f"{key}.{name}: {rule.get(name)!r} is not {named}")
+    for name, q in (rule.get("questions") or {}).items():
+        problems += [f"{key}.questions.{name}.{side}: {q[side]!r} is not {named}" for side in ("a", "b")
+                     if q[side] not in arms]
+        if q["a"] == q["b"]:
+            problems.append(f"{key}.questions.{name}: compares {q['a']!r} with itself")
+    for name, e in (rule.get("effects") or {}).items():
+        weights = e.get("contrast") or {}
+        problems += [f"{key}.effects.{name}: {arm!r} is not {named}" for arm in weights if arm not in arms]
+        bad = {arm: w for arm, w in weights.items()
+               if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)}
+        if bad:
+            problems.append(f"{key}.effects.{name}: weights must be finite numbers, got {bad}")
+        elif not any(weights.values()):
+            problems.append(f"{key}.effects.{name}: every weight is 0 (an effect compares arms)")
+        elif abs(sum(weights.values())) > 1e-9:
+            problems.append(f"{key}.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, not 0 "
+                            "(an effect compares arms)")
+    rung = rule.get("rung_axis")
+    runs: dict[tuple, int] = {}
+    for c in cells:  # the runs of one arm at one rung: what a collapse count is taken over
+        group = (c.labels[arm_axis], c.labels.get(rung))
+        runs[group] = runs.get(group, 0) + 1
+    most = max(runs.values(), default=0)
+    wanted = rule.get("min_reference_collapsed")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > most:
+        problems.append(f"{key}.min_reference_collapsed: {wanted} is more than any arm's runs ({most}): no outcome "
+                        "could reach it")
     return problems
 
 
