@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change, positions_only
+from analysis.refusal import Refused, run
 from analysis.runs import diagnose_layers, parity_passed, probe_folder, probe_results, read_tokens
 from rpa.core.jsonfiles import atomic_path, write_text
 
@@ -76,7 +77,7 @@ def probe_table(results: Path, order: list[str] | None = None) -> pd.DataFrame:
                      "batch_vs_sampler_mean_abs_dlogp": tv["batch_vs_sampler"]["mean_abs_dlogp"],
                      "parity_passed": parity_passed(results, model)})
     if not rows:
-        raise SystemExit(f"no probe summaries under {results}/probe")
+        raise Refused(f"no probe summaries under {results}/probe")
     df = pd.DataFrame(rows)
     # summaries older than the option computed the stock attention
     df["trainer_attention"] = df["trainer_attention"].fillna("stock") if "trainer_attention" in df else "stock"
@@ -171,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.paired import fmt_change, paired_change
+from analysis.refusal import Refused, run
 from analysis.runs import attribution_results, read_tokens
 from rpa.core.jsonfiles import atomic_path, write_text
 
@@ -44,7 +45,7 @@ def attribution_table(results: Path) -> pd.DataFrame:
                          "tokens": summary["tokens"], "mean_abs_dlogp": r["mean_abs_dlogp"],
                          "frac_bitwise_equal": r["frac_bitwise_equal"], "kl_k3": r["kl_k3"], **change})
     if not rows:
-        raise SystemExit(f"no attribution summaries under {results}/attribution")
+        raise Refused(f"no attribution summaries under {results}/attribution")
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from analysis.refusal import Refused, run
 from rpa.core.jsonfiles import atomic_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,16 +68,16 @@ def commands(name: str, results: Path, targets: list[Path]) -> list[str]:
             *map(str, targets)]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     if proc.returncode and (m := re.search(r"No rule to produce (\S+)", proc.stdout + proc.stderr)):
-        raise SystemExit(f"check_reference: {name}: no rule of the workflow writes {Path(m.group(1)).name} "
+        raise Refused(f"check_reference: {name}: no rule of the workflow writes {Path(m.group(1)).name} "
                          "(a committed table the workflow does not declare)")
     if proc.returncode:
-        raise SystemExit(f"check_reference: {name}: the workflow's dry run failed:\n{proc.stdout[-3000:]}"
+        raise Refused(f"check_reference: {name}: the workflow's dry run failed:\n{proc.stdout[-3000:]}"
                          f"{proc.stderr[-3000:]}")
     wanted = {str(t) for t in targets}
     chosen = [c for _, outputs, c in _jobs(proc.stdout) if wanted & set(outputs)]
     named = {o for _, outputs, _ in _jobs(proc.stdout) for o in outputs}
     if wanted - named:
-        raise SystemExit(f"check_reference: {name}: no job of the workflow writes "
+        raise Refused(f"check_reference: {name}: no job of the workflow writes "
                          + ", ".join(sorted(Path(t).name for t in wanted - named)))
     return chosen
 
@@ -99,8 +100,12 @@ def check(name: str, scratch: Path, reference: Path = REFERENCE,
             Path(log).parent.mkdir(parents=True, exist_ok=True)  # as Snakemake makes an output's folder
         proc = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=REPO, env=env,
                               capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"check_reference: {name}: `{command}` failed:\n{proc.stderr[-3000:]}")
+        if proc.returncode:  # the job's own log (its `> log 2>&1`) holds the cause; the scratch folder goes with it
+            logs = [Path(log) for log in re.findall(r">\s*(\S+)\s+2>&1", command) if Path(log).is_file()]
+            cause = "".join(log.read_text(errors="replace") for log in logs) + proc.stderr
+            last = [line for line in cause.splitlines() if line.strip()][-12:] or ["(the job printed nothing)"]
+            raise Refused(f"check_reference: {name}: `{command}` failed (exit {proc.returncode}); its output ends:\n"
+                          + "\n".join(last))
     same, differ = [], []
     for table in committed:
         made = results / "tables" / table
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rpa-reference-") as tmp:
         for name in names:
             if not (args.reference / name).is_dir():
-                raise SystemExit(f"check_reference: no {args.reference / name}")
+                raise Refused(f"check_reference: no {args.reference / name}")
             s, d = check(name, Path(tmp), args.reference, args.write)
             same += s
             differ += d
@@ -142,4 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

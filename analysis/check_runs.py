@@ -13,10 +13,10 @@ compared. Exit status 1 if any compared run differs, 2 if none could be compared
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
+from analysis.refusal import run
 from analysis.runs import ended_runs, load_run
 from rpa.core.jsonfiles import write_json
 
@@ -92,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run(main))

@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from analysis.refusal import run
 from rpa.core.provenance import cpu_info, cpu_type, recorded_cpus
 
 MACHINE = "machine.json"
@@ -129,4 +130,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

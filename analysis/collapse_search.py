@@ -55,6 +55,7 @@ from analysis.collapse_stats import (DECIDED_STAGES, ENTROPY_BINS, MISMATCH, PHA
                                      rule_power, search_rows, sensitivity_groups, sign_test, signed_rank_interval,
                                      signed_rank_null, signed_rank_p, signed_rank_power, smallest_detectable_effect,
                                      smallest_detectable_rate)
+from analysis.refusal import run
 from analysis.runs import RUN_SETTINGS, SENSITIVITY_LABELS, flags, read_manifest, sensitivity_column  # noqa: F401
 from rpa.core.jsonfiles import atomic_path, write_text
 from rpa.train.collapse import ABSORBING_MAX_REWARD, ABSORBING_MAX_REWARD_STD, RULE_VERSION, TERMINAL_STEPS
@@ -286,4 +287,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

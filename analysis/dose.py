@@ -53,6 +53,7 @@ from analysis.dose_stats import (CHI2_1_95, MISMATCH_STEPS, anchor_positions, co
                                  earliest_collapse_step, groups, invalid_setting, listed, profile_loglik,
                                  sensitivity_table, sensitivity_thresholds, threshold, thresholds)
 from analysis.dose_text import markdown, statement
+from analysis.refusal import run
 from analysis.runs import SENSITIVITY_LABELS  # noqa: F401
 from rpa.core.jsonfiles import atomic_path, write_text
 
@@ -85,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run(main))

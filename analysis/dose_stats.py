@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.refusal import Refused
 from analysis.runs import (SENSITIVITY_LABELS, SPIKE_COLUMNS, RunsTable, flags, grid_table, runs_table,
                            sensitivity_column)
 from rpa.train.collapse import RULE_VERSION, CollapseThresholds, rule_text
@@ -106,7 +107,7 @@ def dose_rows(results: Path, mismatch_steps: int = MISMATCH_STEPS, manifest: Pat
             row.update(final_eval_accuracy=run.evals[-1]["eval/accuracy"], final_eval_reward=run.evals[-1]["eval/reward"])
         rows.append(row)
     if not rows:
-        raise SystemExit(f"no dose runs in {manifest or Path(results) / 'dose/manifest.json'}")
+        raise Refused(f"no dose runs in {manifest or Path(results) / 'dose/manifest.json'}")
     out = pd.DataFrame(rows).reindex(columns=list(RUN_COLUMNS))
     for col in INT_COLUMNS:
         out[col] = pd.to_numeric(out[col]).astype("Int64")

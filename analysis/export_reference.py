@@ -300,7 +300,7 @@ def build(results: Path, stage: Path, what: str) -> tuple[list[str], str]:
         said = f"export: {cells} parity reports, probes and diagnoses"
     else:
         tree = results / what
-        runs = [tree / run for run in ended_runs(tree) if "init" not in run.parts]  # shared warm starts: no
+        runs = [tree / r for r in ended_runs(tree) if "init" not in r.parts]  # shared warm starts: no
         if not runs:
             raise Refused(f"export: no runs under {tree}")
         manifests = manifests_of(results, what)
@@ -309,8 +309,8 @@ def build(results: Path, stage: Path, what: str) -> tuple[list[str], str]:
             replaced += ["decode"] if (results / "decode").is_dir() else []
         else:
             replaced = ["study", "probe"] if what == "study" else [what]
-        for run in runs:
-            copy_run(run, stage / run.relative_to(results))
+        for one in runs:
+            copy_run(one, stage / one.relative_to(results))
         records = copy_records(results, stage, what)
         for manifest in manifests:
             (stage / manifest.relative_to(results)).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import pandas as pd
 import seaborn as sns
 
 from analysis.plots import save_figure
+from analysis.refusal import run
 from analysis.runs import MANIFEST, probe_token_tables, probe_tokens, read_manifest, read_tokens
 
 
@@ -169,4 +170,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

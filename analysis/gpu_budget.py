@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from analysis.refusal import Refused, run
 from rpa.workflow.grid import deep_merge
 from rpa.workflow.resources import study_resources
 from rpa.workflow.presets import study_arms
@@ -56,7 +57,7 @@ def budget(config: dict) -> list[dict]:
         run = deep_merge(base, (study.get("sizes") or {}).get(model) or {})
         throughput = (study.get("throughput_tokens_per_s") or {}).get(model)
         if throughput is None:
-            raise SystemExit(f"study.throughput_tokens_per_s: no assumed throughput for {model}")
+            raise Refused(f"study.throughput_tokens_per_s: no assumed throughput for {model}")
         tokens = run["steps"] * run["prompts_per_step"] * run["num_generations"] * \
             (run["max_prompt_length"] + run["max_completion_length"])
         res = study_resources(config, model)
@@ -111,4 +112,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

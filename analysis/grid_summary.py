@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.collapse_stats import groups, search_rows
+from analysis.refusal import Refused, run
 from analysis.runs import MANIFEST, flags, grid_table, read_manifest
 from rpa.core.jsonfiles import atomic_path, write_text
 
@@ -85,7 +86,7 @@ def train_rows(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
                      "frac_ratio_outside": metrics["mismatch/frac_ratio_outside"].mean()})
         curves.append(metrics.assign(model=model, setting=setting, regions=regions, seed=seed))
     if not runs:
-        raise SystemExit(f"no runs under {results}/train")
+        raise Refused(f"no runs under {results}/train")
     return pd.DataFrame(runs)[list(TRAIN_COLUMNS)], pd.concat(curves, ignore_index=True)
 
 
@@ -174,4 +175,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

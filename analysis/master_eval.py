@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
 from analysis.refusal import Refused, run
+
 
 SIDES = ("engine", "trainer_fp32", "trainer_bf16")
 
@@ -69,7 +69,7 @@ def master_eval(run_dir: Path, checkpoint: str | None) -> dict:
     if not (Path(model) / "config.json").is_file():
         raise Refused(f"master_eval: {model} is not a checkpoint (no config.json); name one the run kept")
     if not cfg.task.eval_prompts:
-        raise Refused(f"master_eval: the run's task has no held-out prompts (task.eval_prompts: 0)")
+        raise Refused("master_eval: the run's task has no held-out prompts (task.eval_prompts: 0)")
     task = build_task(cfg.task)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = render_rows(task.eval_rows, tokenizer)

@@ -29,6 +29,7 @@ from pathlib import Path
 from analysis.paper_claims import dose_parts, real_model_finding, write_claims  # noqa: F401
 from analysis.paper_provenance import dose_rule, study_rule  # noqa: F401
 from analysis.paper_search import precision_section, real_search_section, search_section
+from analysis.refusal import run
 
 REPO = Path(__file__).resolve().parents[1]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
@@ -81,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run(main))

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import fmt_change, mean_interval, paired_change
+from analysis.refusal import Refused, run
 from analysis.runs import sampling_probe_results
 from rpa.core.jsonfiles import atomic_path, write_text
 from rpa.core.sampling import REPORTED_PARTS
@@ -55,7 +56,7 @@ def _rounding_pairs(split: pd.DataFrame) -> pd.DataFrame:
 def sampling_table(results: Path) -> pd.DataFrame:
     cells = sampling_probe_results(results)
     if not cells:
-        raise SystemExit(f"no probe cells at other sampling settings under {results}/probe-sampling")
+        raise Refused(f"no probe cells at other sampling settings under {results}/probe-sampling")
     rows, splits = [], {}
     for cell in cells:
         summary = cell.summary["sampling_split"]
@@ -148,4 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

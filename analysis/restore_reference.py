@@ -25,8 +25,8 @@ import os
 import shutil
 import time
 from pathlib import Path
-
 from analysis.refusal import Refused, run
+
 
 FOLDERS = ("search", "dose", "study")
 """The reference folders whose runs the workflow can go on from (the grids' results folders)."""

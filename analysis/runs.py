@@ -32,6 +32,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
+from analysis.refusal import Refused
 from rpa.core.jsonfiles import read_jsonl
 from rpa.core.provenance import cpu_type
 from rpa.train.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings, summary_superseded
@@ -145,7 +146,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """A grid's manifest (rpa/workflow/manifest.py), refused with its path where it is missing."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"{path}: no such grid manifest (the workflow writes it from the config's cells)")
+        raise Refused(f"{path}: no such grid manifest (the workflow writes it from the config's cells)")
     return json.loads(path.read_text())
 
 

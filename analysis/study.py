@@ -55,6 +55,7 @@ import pandas as pd
 
 from analysis.latex import booktabs
 from analysis.paired import fmt_change
+from analysis.refusal import run
 from analysis.runs import MANIFEST, read_manifest, section_of
 from analysis.study_figures import (arm_colors, arm_families, arm_styles, heatmap, mismatch_figure,  # noqa: F401
                                     reward_figure)
@@ -224,4 +225,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run(main))

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from analysis.grid_summary import write_train
+from analysis.refusal import run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,4 +24,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

@@ -46,7 +46,7 @@ def test_bad_search_entries_are_named():
     assert "model 'no-such-model' is not a name in models" in str(err.value)
     bad = copy.deepcopy(CONFIG)
     bad["search"]["stages"]["pilot"]["axes"]["temperature"]["T0"] = {"temperature": 0}
-    with pytest.raises(PipelineConfigError, match="T0.*temperature must be a finite number > 0, got 0"):
+    with pytest.raises(PipelineConfigError, match=r"T0.*temperature must be in \[0.01, 2\], got 0"):
         check_config(bad)
 
 
@@ -145,14 +145,14 @@ def test_pilot_picks_the_largest_mismatch_among_eligible_cells(tmp_path):
 def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
     config = copy.deepcopy(CONFIG)
     config["search"]["stages"]["grid"] = {
-        "seeds": [0, 1], "shared_warm_start": True,
+        "seeds": [0, 1, 2], "shared_warm_start": True,
         "overrides": {"model": "deep8", "warm_start": {"steps": 40}},
         "axes": {"lr": {"lr1": {"learning_rate": 1e-4}, "lr2": {"learning_rate": 2e-4}},
                  "arm": {"fp32": {"numerics": {"precision": "fp32"}}, "none": {}, "all": {"numerics": {"regions": "all"}}}}}
     check_config(config)
     grid = kind_cells(config, "search", "grid")
     inits = {c.init.name for c in grid}
-    assert len(grid) == 12 and len(inits) == 2  # one per seed, shared by every lr and arm
+    assert len(grid) == 18 and len(inits) == 3  # one per seed, shared by every lr and arm
     for c in grid:
         assert c.config["model"] == c.init.dir and c.config["warm_start"]["steps"] == 0
         assert c.init.config["warm_start"]["steps"] == 40 and c.init.config["seed"] == c.seed
@@ -165,7 +165,7 @@ def test_shared_warm_start_is_one_per_model_settings_and_seed(tmp_path):
     assert proc.returncode == 0, tail(proc)
     counts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    assert counts["grid_warm_start"] == 2 and counts["grid_run"] == 12
+    assert counts["grid_warm_start"] == 3 and counts["grid_run"] == 18
 
 
 def test_an_incomplete_grid_gets_no_verdict(tmp_path):

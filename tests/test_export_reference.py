@@ -143,3 +143,23 @@ def test_the_commands_refuse_in_one_line_with_exit_2(tmp_path):
         proc = run_py(["-m", "analysis.restore_reference", "--reference", str(reference), "--results", str(out)])
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert snapshot(ref) == before and not results.exists()
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("argv, needle", [
+    (["aggregate", "--out-dir", "{out}"], "no probe summaries under"),
+    (["attribution", "--out-dir", "{out}", "--figure", "{out}/f.png"], "no attribution summaries under"),
+    (["probe_sampling", "--out-dir", "{out}"], "no probe cells at other sampling settings"),
+    (["study"], "no such grid manifest"),
+    (["collapse_search", "--stage", "grid", "--figure", "{out}/f.png"], "no such grid manifest"),
+])
+def test_the_analysis_commands_refuse_with_exit_2_in_one_line(tmp_path, argv, needle):
+    """Issue 67: the analysis commands' one-line refusals exited 1 where every other command exits 2."""
+    from tests.conftest import run_py
+
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    args = [a.format(out=out) for a in argv]
+    proc = run_py(["-m", f"analysis.{args[0]}", "--results", str(results), *args[1:]])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]

@@ -42,7 +42,7 @@ BASE = {
     ({"lr_scheduler_type": "step"}, "lr_scheduler_type: 'step' is not one of linear, constant, cosine"),
     ({"updates_per_generation": 0}, "updates_per_generation: must be an integer >= 1, got 0"),
     ({"num_iterations": 1.5}, "num_iterations: must be an integer, got 1.5"),
-    ({"eval_temperature": -1}, "eval_temperature: must be a number >= 0, got -1"),
+    ({"eval_temperature": -1}, "eval_temperature must be in [0.01, 2] (or 0: greedy), got -1"),
     ({"eval_timeout_s": 0}, "eval_timeout_s: must be a number > 0, got 0"),
     ({"save_total_limit": 0}, "save_total_limit: must be an integer >= 1 (or null: keep every checkpoint), got 0"),
     ({"task": {"name": "walk", "length": 0}}, "task: num_prompts, max_operand and length must be >= 1"),
@@ -900,7 +900,7 @@ def test_a_tied_models_sampler_follows_every_weight_sync(stock_runs):
     ({"rollouts": "trainer", "top_p": 0.9, "old_logprobs": "trainer"}, "rollouts: trainer samples at the temperature"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
     ({"top_k": -2}, "top_k must be an integer >= -1"),
-    ({"temperature": 0}, "temperature must be a finite number > 0, got 0"),
+    ({"temperature": 0}, "temperature must be in [0.01, 2], got 0"),
     ({"trainer_logprobs": "truncated"}, "trainer_logprobs: 'truncated' is not one of full, renormalised"),
 ])
 def test_sampling_settings_that_mean_nothing_or_bias_the_loss_are_refused_in_one_line(patch, needle):

@@ -74,8 +74,10 @@ def temperature_problem(value, name: str = "temperature", greedy: bool = False) 
     if greedy and value == 0:
         return None
     if not low <= value <= high:
-        return (f"{name} must be in [{low:g}, {high:g}]{' (or 0: greedy)' if greedy else ''}, got {value!r}: vLLM "
-                f"{'raises a smaller one to 0.01 while the trainer divides by the value given' if value < low else 'refuses a larger one'}")
+        why = ("vLLM raises a smaller one to 0.01 while the trainer divides by the value given" if 0 < value < low
+               else "vLLM refuses a larger one" if value > high else "")
+        return f"{name} must be in [{low:g}, {high:g}]{' (or 0: greedy)' if greedy else ''}, got {value!r}" + (
+            f": {why}" if why else "")
     return None
 
 
