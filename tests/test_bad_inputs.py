@@ -498,3 +498,20 @@ def test_a_decision_naming_nothing_or_unreachable_is_refused_in_one_line(change,
         check_config(config)
     lines = [line for line in str(err.value).splitlines() if line.strip() and "invalid pipeline config" not in line]
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"path": "../{arm}/{rung}"}, "path '../fp32/lr1e-5-c48-u4' leaves the results folder"),
+    ({"path": "/tmp/{arm}"}, "path '/tmp/fp32' leaves the results folder"),
+    ({"shared_warm_start": {"directory": "../init/{seed}", "only_with_steps": False}},
+     "shared_warm_start.directory 'results/precision-smollm2/../init/0' leaves the results folder"),
+])
+def test_a_grid_directory_outside_the_results_folder_is_refused(change, needle):
+    """Issue 67: '../' in a grid's path or its shared warm start's directory put runs outside the results folder."""
+    from rpa.workflow.pipeline import PipelineConfigError, check_config
+
+    config = yaml.safe_load((REPO / "experiments/precision-smollm2.yaml").read_text())
+    config["search"]["stages"]["grid"].update(change)
+    with pytest.raises(PipelineConfigError, match=None) as err:
+        check_config(config)
+    assert needle in str(err.value)

@@ -185,6 +185,16 @@ def _merged(grid: Grid, combo, level: str) -> tuple[dict[str, Any], dict[str, st
     return run, labels
 
 
+def _inside(grid: Grid, key: str, directory: str, under_results: bool = False) -> None:
+    """Refuse a cell's or a warm start's directory that would lie outside the grid's results folder (absolute, or
+    climbing out with ``..``): its runs would be written, and found finished, elsewhere. ``under_results``: the
+    directory is already the results folder's (which may be absolute) joined with the written one."""
+    parts = Path(directory).parts
+    if (Path(directory).is_absolute() and not under_results) or ".." in parts or not parts:
+        raise ValueError(f"grid {grid.name}: {key} {directory!r} leaves the results folder (absolute or with '..'); "
+                         "a directory under it, relative, is what it takes")
+
+
 def expand(grid: Grid) -> list[Cell]:
     """Every cell of ``grid``: every combination of one label per axis (in the axes' order, the
     last varying fastest) that no :attr:`Grid.exclude` entry drops, times the seeds."""
@@ -195,6 +205,7 @@ def expand(grid: Grid) -> list[Cell]:
         if _excluded(grid, labels):
             continue
         directory = [grid.path.format_map(labels)] if grid.path else list(labels.values())
+        _inside(grid, "path", directory[0] if grid.path else "/".join(directory))
         merged, _ = _merged(grid, combo, CELL)
         for seed in grid.seeds:
             run = _located(grid, {**merged, "seed": seed})
@@ -204,6 +215,7 @@ def expand(grid: Grid) -> list[Cell]:
                 at, at_labels = (run, labels) if level == CELL else _merged(grid, combo, level)
                 init = _warm_start(grid, _located(grid, at), at_labels, seed)
             if init is not None:
+                _inside(grid, "shared_warm_start.directory", init.dir, under_results=True)
                 run = {**run, "model": init.dir, "warm_start": {**(run.get("warm_start") or {}), "steps": 0}}
             cells.append(Cell(grid=grid.name, name="/".join([*grid.prefix, *directory, f"seed{seed}"]), labels=labels,
                               seed=seed, model=merged.get("model"), config=run, init=init))
