@@ -190,7 +190,7 @@ def _inside(grid: Grid, key: str, directory: str, under_results: bool = False) -
     climbing out with ``..``): its runs would be written, and found finished, elsewhere. ``under_results``: the
     directory is already the results folder's (which may be absolute) joined with the written one."""
     parts = Path(directory).parts
-    if (Path(directory).is_absolute() and not under_results) or ".." in parts or not parts:
+    if (Path(directory).is_absolute() and not under_results) or ".." in parts:
         raise ValueError(f"grid {grid.name}: {key} {directory!r} leaves the results folder (absolute or with '..'); "
                          "a directory under it, relative, is what it takes")
 
