@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
 from analysis.refusal import run
+from rpa.core.jsonfiles import read_record
 from rpa.core.provenance import cpu_info, cpu_type, recorded_cpus
 
 MACHINE = "machine.json"
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_dir():
             parser.error(f"{path}: no such folder")
     machine = args.reference / MACHINE
-    made_on = json.loads(machine.read_text()).get("cpu") if machine.exists() else None
+    made_on = read_record(machine).get("cpu") if machine.exists() else None
     recorded, _ = recorded_cpus(args.results)  # the fresh run's CPU as its results record it
     if len(recorded) > 1:
         print(f"check_tables: {args.results} holds results of {len(recorded)} CPU types; compare one type's run",

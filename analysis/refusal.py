@@ -22,9 +22,12 @@ class Refused(SystemExit):
 
 
 def run(main: Callable[[], int | None]) -> int:
-    """Call a command's ``main``; a :class:`Refused` prints its line to stderr and gives :data:`EXIT_REFUSED`."""
+    """Call a command's ``main``; a :class:`Refused`, or an rpa input error raised under it (a damaged result file:
+    :class:`rpa.core.jsonfiles.DamagedFile`), prints its line to stderr and gives :data:`EXIT_REFUSED`."""
+    from rpa.core.errors import UserError
+
     try:
         return main() or 0
-    except Refused as refusal:
+    except (Refused, UserError) as refusal:
         print(str(refusal), file=sys.stderr)
         return EXIT_REFUSED

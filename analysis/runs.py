@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from analysis.refusal import Refused
-from rpa.core.jsonfiles import read_jsonl
+from rpa.core.jsonfiles import read_jsonl, read_record
 from rpa.core.provenance import cpu_type
 from rpa.train.collapse import CollapseThresholds, run_verdict, sensitivity, sensitivity_settings, summary_superseded
 
@@ -60,7 +60,7 @@ def sensitivity_column(label: str) -> str:
 
 
 def _json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_record(path) if path.exists() else None
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise Refused(f"{path}: no such grid manifest (the workflow writes it from the config's cells)")
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 def cell_labels(cell: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +291,7 @@ class Measurement:
 
 def _measurements(results: Path, kind: str) -> list[Measurement]:
     return [Measurement(model=p.parent.parent.name, config=p.parent.name, dir=p.parent,
-                        summary=json.loads(p.read_text()))
+                        summary=read_record(p))
             for p in sorted(Path(results).glob(f"{kind}/*/*/summary.json"))]
 
 
@@ -319,7 +319,7 @@ class SamplingProbe:
 def sampling_probe_results(results: Path) -> list[SamplingProbe]:
     """Every probe cell at another sampling setting, in the order of their folders."""
     return [SamplingProbe(model=p.parents[2].name, setting=p.parent.parent.name, config=p.parent.name, dir=p.parent,
-                          summary=json.loads(p.read_text()))
+                          summary=read_record(p))
             for p in sorted(Path(results).glob("probe-sampling/*/*/*/summary.json"))]
 
 
@@ -328,7 +328,7 @@ def probe_result(results: Path, model: str, config: str) -> Measurement | None:
     path = probe_folder(results, model, config)
     if not (path / "summary.json").is_file():
         return None
-    return Measurement(model=model, config=config, dir=path, summary=json.loads((path / "summary.json").read_text()))
+    return Measurement(model=model, config=config, dir=path, summary=read_record(path / "summary.json"))
 
 
 def probe_token_tables(results: Path) -> list[tuple[str, str, Path]]:
@@ -337,11 +337,25 @@ def probe_token_tables(results: Path) -> list[tuple[str, str, Path]]:
     return [(p.parent.parent.name, p.parent.name, p) for p in sorted(Path(results).glob("probe/*/*/tokens.csv"))]
 
 
-def read_tokens(path: Path, **read_csv):
-    """A per-token table (``tokens.csv`` of a probe or an attribution; pandas' ``read_csv`` options)."""
+def read_csv(path: Path, **options):
+    """A result table (pandas' ``read_csv`` with ``options``), or one line naming the file where it cannot be read as
+    one (binary, cut, a folder)."""
     import pandas as pd
 
-    return pd.read_csv(path, **read_csv)
+    path = Path(path)
+    if path.is_dir():
+        raise Refused(f"{path}: a folder where a CSV table must be")
+    try:
+        return pd.read_csv(path, **options)
+    except UnicodeDecodeError:
+        raise Refused(f"{path}: not text (binary or damaged); a CSV table must be") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+        raise Refused(f"{path}: not a readable CSV table ({str(err).splitlines()[0]})") from None
+
+
+def read_tokens(path: Path, **read_csv):
+    """A per-token table (``tokens.csv`` of a probe or an attribution; pandas' ``read_csv`` options)."""
+    return read_csv(path, **read_csv)
 
 
 def probe_folder(results: Path, model: str, config: str) -> Path:
@@ -366,7 +380,7 @@ def diagnose_layers(results: Path):
 
     frames = []
     for path in sorted(Path(results).glob("diagnose/*/*/layers.csv")):
-        frame = pd.read_csv(path)
+        frame = read_csv(path)
         frame.insert(0, "config", path.parent.name)
         frame.insert(0, "model", path.parent.parent.name)
         frames.append(frame)
@@ -376,10 +390,10 @@ def diagnose_layers(results: Path):
 def parity_passed(results: Path, model: str) -> bool | None:
     """Whether ``model``'s parity check passed; None where it has none."""
     path = Path(results) / "parity" / f"{model}.json"
-    return json.loads(path.read_text())["passed"] if path.exists() else None
+    return read_record(path).get("passed") if path.exists() else None
 
 
 def decode_probes(folder: Path) -> dict[str, dict[str, Any]]:
     """The decode probes' summaries under ``folder`` (``<folder>/<config>/summary.json``), by configuration."""
-    return {p.parent.name: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*/summary.json"))}
+    return {p.parent.name: read_record(p) for p in sorted(Path(folder).glob("*/summary.json"))}
 

@@ -515,3 +515,65 @@ def test_a_grid_directory_outside_the_results_folder_is_refused(change, needle):
     with pytest.raises(PipelineConfigError, match=None) as err:
         check_config(config)
     assert needle in str(err.value)
+
+
+# ------------------------------------------- damaged result files (issue 67): the file named, one line, exit 2
+
+DAMAGED = {"cut": b'{"mean_abs_dlogp": 0.01, "tok', "a list": b"[1, 2]", "binary": b"\xff\xfe\x00\x81garbage",
+           "empty": b""}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_result_file_is_named_in_one_line(damage, tmp_path):
+    """A probe's summary.json, a reference's machine.json and a run's summary.json / config.json, cut, list-valued,
+    binary or empty (and a folder where the file must be): each reader says which file and what is wrong."""
+    from analysis import check_tables
+    from analysis.refusal import run as run_analysis
+    from rpa.core.jsonfiles import DamagedFile, read_record
+    from rpa.train.rundir import finished_summary
+    from tests.conftest import run_py
+
+    results = tmp_path / "results"
+    probe_dir = results / "probe" / "m" / "none"
+    probe_dir.mkdir(parents=True)
+    (probe_dir / "summary.json").write_bytes(DAMAGED[damage])
+    proc = run_py(["-m", "analysis.aggregate", "--results", str(results), "--out-dir", str(tmp_path / "out")])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and str(probe_dir / "summary.json") in lines[0], proc.stderr
+    reference = tmp_path / "reference"
+    for folder in (results / "tables", reference / "tables"):
+        folder.mkdir(parents=True)
+    (reference / "machine.json").write_bytes(DAMAGED[damage])
+    code = run_analysis(lambda: check_tables.main(["--results", str(results), "--reference", str(reference)]))
+    assert code == 2
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_bytes(DAMAGED[damage])
+    with pytest.raises(DamagedFile, match=f"{run_dir / 'summary.json'}: "):
+        finished_summary(run_dir, object())
+    (run_dir / "folder.json").mkdir()
+    with pytest.raises(DamagedFile, match="a folder where a JSON file must be"):
+        read_record(run_dir / "folder.json")
+
+
+def test_a_run_directory_whose_config_was_cut_is_refused_before_anything_loads(capsys, model, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"model": "x", "steps"')
+    cfg = run_config(tmp_path, model)
+    refused(capsys, ["train", "--config", cfg, "--out", out], f"{out / 'config.json'}: not valid JSON")
+
+
+def test_a_damaged_csv_table_is_named_in_one_line(tmp_path):
+    from analysis.refusal import Refused
+    from analysis.runs import read_csv
+
+    path = tmp_path / "tokens.csv"
+    path.write_bytes(b"\xff\xfe\x00\x81" * 100)
+    with pytest.raises(Refused, match=f"{path}: not text"):
+        read_csv(path)
+    path.write_text('seq,position\n1,2\n"3,4\n')
+    with pytest.raises(Refused, match=f"{path}: not a readable CSV table"):
+        read_csv(path)
+    with pytest.raises(Refused, match="a folder where a CSV table must be"):
+        read_csv(tmp_path)

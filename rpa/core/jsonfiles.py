@@ -11,6 +11,12 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from rpa.core.errors import InputError
+
+
+class DamagedFile(InputError):
+    """A result or record file that is there but cannot be read as what it must be: said in one line naming it."""
+
 
 def write_text(path: Path, text: str) -> None:
     """Write ``path`` atomically: a temporary file beside it, flushed, then renamed over it."""
@@ -69,5 +75,24 @@ def read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
                 if repair:
                     write_text(path, "".join(json.dumps(r) + "\n" for r in records))
                 break
-            raise ValueError(f"{path}:{i + 1}: not a JSON record ({err})") from None
+            raise DamagedFile(f"{path}:{i + 1}: not a JSON record ({err})") from None
     return records
+
+
+def read_record(path: Path, kind: type = dict) -> Any:
+    """The JSON file ``path`` as a ``kind`` (a record: a JSON object by default), or :class:`DamagedFile` in one line
+    naming the file and what is wrong with it (cut, not UTF-8, a list where an object must be, a folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DamagedFile(f"{path}: a folder where a JSON file must be")
+    try:
+        data = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise DamagedFile(f"{path}: not text (binary or damaged); a JSON file must be") from None
+    except json.JSONDecodeError as err:
+        raise DamagedFile(f"{path}: not valid JSON (cut or damaged? {err.msg} at line {err.lineno}, column "
+                          f"{err.colno})") from None
+    if not isinstance(data, kind):
+        raise DamagedFile(f"{path}: a JSON {type(data).__name__} where a JSON {kind.__name__} must be "
+                          "(damaged, or another file)".replace("JSON dict", "JSON object"))
+    return data

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.core.errors import InputError
+from rpa.core.jsonfiles import read_record
 
 SCHEMA = "rpa.model-source/1"
 SOURCE_FILE = "rpa_source.json"
@@ -121,7 +121,7 @@ def read_source(model_dir: str | Path) -> dict[str, Any] | None:
     path = Path(model_dir) / SOURCE_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 def _check_target(out: Path, sha256: str) -> dict[str, Any] | None:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpa.core.jsonfiles import append_jsonl, write_json
+from rpa.core.jsonfiles import append_jsonl, read_record, write_json
 from rpa.train.rundir import (
     RunDirectoryBusy,
     config_diff,
@@ -141,7 +141,7 @@ def run_warm_start(cfg: TrainConfig, out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     if (out / "config.json").exists():
         _log(f"{out} already holds a warm-started model; nothing to do")
-        return json.loads((out / "rpa_init.json").read_text())
+        return read_record(out / "rpa_init.json")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     rows, dropped = filter_prompts(render_rows(build_task(cfg.task).rows, tokenizer), tokenizer,
                                    cfg.max_prompt_length)
@@ -236,7 +236,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
         _log(f"joining the run in {out} (rank 0 owns its files)")
     cfg_path = out / "config.json"
     if cfg_path.exists():
-        differs = config_diff(json.loads(cfg_path.read_text()), cfg)
+        differs = config_diff(read_record(cfg_path), cfg)
         if differs:
             raise RunDirectoryBusy(f"{out} holds a run with a different config ({'; '.join(differs[:5])}"
                                    f"{'; ...' if len(differs) > 5 else ''}); use a new directory")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpa.core.jsonfiles import read_jsonl, write_text
+from rpa.core.jsonfiles import read_jsonl, read_record, write_text
 from rpa.core.outdir import DirectoryBusy, differing_keys, lock_dir
 from rpa.train.config import TrainConfig, TrainConfigError
 
@@ -55,7 +55,7 @@ def finished_summary(out: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     path = out / "summary.json"
     if not path.exists():
         return None
-    summary = json.loads(path.read_text())
+    summary = read_record(path)
     stopped = summary.get("status") in ("collapsed", "diverged")
     trained = (summary.get("config") or {}).get("steps", summary.get("steps", 0))
     if stopped or (summary.get("status") == "ok" and trained >= cfg.steps):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rpa.core.errors import UserError
-from rpa.core.jsonfiles import append_jsonl, read_jsonl, write_json
+from rpa.core.jsonfiles import append_jsonl, read_jsonl, read_record, write_json
 
 SCHEMA = "rpa.grid-job/1"
 TRANSIENT_LOG = "transient_failures.jsonl"
@@ -73,7 +73,7 @@ def job_record(run_dirs: list[Path], transient_retries: int = 0) -> dict[str, An
         raise FileNotFoundError(f"no summary.json in {', '.join(missing)} (see the job's log)")
     runs, again = [], []
     for d in run_dirs:
-        s = json.loads((d / "summary.json").read_text())
+        s = read_record(d / "summary.json")
         failures = len(read_jsonl(d / TRANSIENT_LOG)) if (d / TRANSIENT_LOG).exists() else 0
         if s.get("status") == "error" and transient(s.get("error")) and failures < transient_retries:
             again.append((d, s.get("error"), failures, s.get("steps")))
