@@ -158,3 +158,17 @@ def test_a_second_conversion_into_the_same_out_is_refused_before_any_work(tiny_g
     assert proc.returncode == 0, tail(proc)  # the holder gone, the conversion runs
     assert (out / "rpa_source.json").is_file() and not (out / ".lock").exists()
     assert not (tmp_path / ".model.converting").exists()
+
+
+def test_a_directory_or_a_gguf_without_tensors_is_refused_in_one_line(tiny_gguf, tmp_path):
+    """Issue 67: ``--gguf <a directory>`` said "no such file"; a GGUF with its architecture metadata but no tensors
+    ended in a traceback and left its ``.converting`` folder behind."""
+    proc = run_py(["-m", "rpa.cli", "convert", "--gguf", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert proc.returncode == 2 and "is a directory, not a GGUF file" in proc.stderr, tail(proc)
+    empty = tmp_path / "empty.gguf"
+    write_tiny_gguf(tiny_gguf["model"], empty, tensors=False)
+    out = tmp_path / "model"
+    proc = run_py(["-m", "rpa.cli", "convert", "--gguf", str(empty), "--out", str(out)])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and str(empty) in lines[0], tail(proc)
+    assert not out.exists() and not (tmp_path / ".model.converting").exists()

@@ -23,11 +23,12 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_tiny_gguf(model_dir: Path, path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
+def write_tiny_gguf(model_dir: Path, path: Path, arch: str = "llama", tensors: bool = True) -> dict[str, np.ndarray]:
     """Write the tiny HF Llama checkpoint ``model_dir`` (``rpa tiny --arch llama``) as a GGUF file;
     returns the dequantized tensors by HF name, as a GGUF reader will see them (q/k un-permuted):
     what a conversion must reproduce bit for bit. ``arch`` is the ``general.architecture`` written
-    (another one makes a file the converter must refuse)."""
+    (another one makes a file the converter must refuse); ``tensors=False`` writes the metadata alone (a damaged
+    file the converter must refuse)."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -68,6 +69,8 @@ def write_tiny_gguf(model_dir: Path, path: Path, arch: str = "llama") -> dict[st
     expected: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, kind, transform=None) -> None:
+        if not tensors:
+            return
         data = state[hf_name].astype(np.float32)
         stored = data if transform is None else transform(data)
         if kind == gguf.GGMLQuantizationType.F32:

@@ -81,6 +81,11 @@ class NumericsConfigError(UserError):
     """An unknown key or value, or a combination that has no meaning."""
 
 
+OMITTED_WHEN_DEFAULT = {"trainer_precision": "same"}
+"""Keys :meth:`NumericsConfig.to_dict` leaves out at their default (so older records stay byte for byte), with that
+default: what a comparison of two records shows for a key one of them leaves out."""
+
+
 @dataclass(frozen=True)
 class NumericsConfig:
     regions: frozenset[str] = field(default_factory=frozenset, metadata={
@@ -215,6 +220,7 @@ class NumericsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every key's value, in :data:`KEYS` order; ``trainer_precision`` only where it is not ``same``
+        (:data:`OMITTED_WHEN_DEFAULT`)
         (:meth:`from_dict` reads it back as ``same`` where absent), so what a configuration without it
         writes -- a run's ``run.yaml``, a job file, a probe's ``options.json`` and summary -- stays byte
         for byte what it was before the option existed (a changed ``run.yaml`` would make Snakemake run a

@@ -88,7 +88,13 @@ def resolved(value: Any) -> Any:
 
 def differing_keys(recorded: dict[str, Any], requested: dict[str, Any]) -> list[str]:
     """``key: recorded -> requested`` for each (flattened) key whose values differ, local paths resolved."""
+    from rpa.core.numerics_config import OMITTED_WHEN_DEFAULT
+
     a, b = (flat(json.loads(json.dumps(d))) for d in (recorded, requested))
+    for side in (a, b):  # a key a record leaves out at its default reads as that default
+        for k in set(a) | set(b):
+            if k not in side and k.rsplit(".", 1)[-1] in OMITTED_WHEN_DEFAULT:
+                side[k] = OMITTED_WHEN_DEFAULT[k.rsplit(".", 1)[-1]]
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if resolved(a.get(k)) != resolved(b.get(k))]
 

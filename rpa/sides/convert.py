@@ -71,7 +71,8 @@ class GgufSource:
             path = Path(dist.locate_file(self.file))
         if not path.is_file():
             where = f" in the distribution {self.package}" if self.package else ""
-            raise InputError(f"gguf file {self.file}{where}: no such file")
+            what = "is a directory, not a GGUF file" if path.is_dir() else "no such file"
+            raise InputError(f"gguf file {self.file}{where}: {what}")
         return path
 
 
@@ -158,6 +159,9 @@ def convert_gguf(spec: GgufSource, out_dir: str | Path) -> dict[str, Any]:
     # any work, and one started after the first finished finds the conversion below
     lock_file(out.with_name(f".{out.name}.convert.lock"), out, "convert")
     header = read_gguf_header(path)
+    if not header["tensors"]:
+        raise InputError(f"gguf file {path}: holds no tensors ({header['architecture']} metadata only): damaged or "
+                         "incomplete")
     sha256 = sha256_of(path)
     if spec.sha256 is not None and sha256 != spec.sha256.lower():
         raise InputError(f"gguf file {path}: sha256 {sha256} differs from the required {spec.sha256}")
@@ -200,14 +204,19 @@ def _write_checkpoint(path: Path, config, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                        output_loading_info=True)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    absent = sorted(set(info.get("missing_keys") or ()) - tied)
+    if absent:  # transformers fills them with random initial values: a checkpoint of noise, saved as if converted
+        raise InputError(f"gguf file {path}: holds no tensor for {len(absent)} of the model's weights (e.g. "
+                         f"{absent[0]}): damaged or incomplete")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     plain = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     plain.dtype = "float32"  # what is stored; each engine casts it to its own precision
     fresh = AutoModelForCausalLM.from_config(plain, dtype=torch.float32)
     state = loaded.state_dict()
     missing, unexpected = fresh.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if plain.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"{path}: the dequantized weights do not fit the config (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]})")
