@@ -362,6 +362,16 @@ def _with_job_config(parser: argparse.ArgumentParser, argv: list[str] | None,
     return args
 
 
+def top_k_problem(top_k: int, config) -> str | None:
+    """Why a ``top_k`` cannot be sampled with on a model of ``config``'s vocabulary, in one line: one that keeps the
+    whole vocabulary truncates nothing (off is -1) and vLLM refuses one above it once started."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and top_k > 0 and top_k >= int(vocab):
+        return (f"top_k {top_k} keeps the model's whole vocabulary ({vocab} tokens): it truncates nothing; use -1 "
+                "(off) or a smaller k")
+    return None
+
+
 def _check_inputs(args: argparse.Namespace) -> Checked:
     """Everything that can be checked before a model or an engine loads or an output is made:
     option ranges, the model checkpoint (config, architecture, whole weights, tokenizer), input
@@ -409,6 +419,9 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
             if args.command == "train" and limit and context > limit:
                 raise InputError(f"{path}: max_prompt_length + max_completion_length + vllm_context_slack = "
                                  f"{context} exceeds the model's max_position_embeddings ({limit})")
+            problem = top_k_problem(cfg.top_k, config)
+            if problem:
+                raise InputError(f"{path}: {problem}")
             if args.command == "train" and cfg.sync_check.probe_tokens > context:
                 raise InputError(f"{path}: sync_check.probe_tokens {cfg.sync_check.probe_tokens} is longer than the "
                                  f"engine's context ({context} tokens)")
@@ -445,6 +458,8 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
                              "same")
     config = check_model(args.model)
     limit = getattr(config, "max_position_embeddings", None)
+    if args.command == "probe" and top_k_problem(options.top_k, config):
+        raise InputError(f"--{top_k_problem(options.top_k, config)}")
     if args.command == "probe" and limit and options.max_model_len > limit:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
@@ -456,10 +471,19 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         if count < options.prompts:
             raise InputError(f"--prompts-file {options.prompts_file}: {count} prompts, --prompts asks for "
                              f"{options.prompts}")
+    records = None
     if completions:
         from rpa.measure.scoring import load_completions
 
         records = load_completions(completions)
+    if args.command == "probe":
+        sequences = len(records) if records is not None else options.prompts * options.samples
+        for name in ("split_sequences", "decode_sequences", "batch_sequences"):
+            asked = getattr(options, name)
+            if asked is not None and asked > sequences:
+                raise InputError(f"--{name.replace('_', '-')} {asked}: the probe has {sequences} sequences "
+                                 f"({'the completions file' if completions else '--prompts x --samples'})")
+    if completions:
         check_token_ids(records, int(config.vocab_size), completions)
         lengths = [(f"record seq {c['seq']} (prompt + completion)", len(c["prompt_ids"]) + len(c["completion_ids"]))
                    for c in records]

@@ -577,3 +577,16 @@ def test_a_damaged_csv_table_is_named_in_one_line(tmp_path):
         read_csv(path)
     with pytest.raises(Refused, match="a folder where a CSV table must be"):
         read_csv(tmp_path)
+
+
+def test_sampling_values_that_change_nothing_or_exceed_the_probe_are_refused(capsys, model, tmp_path):
+    """Issue 67: a top_k keeping the whole vocabulary (it truncates nothing; vLLM refuses a larger one after start-up)
+    and a --split-sequences (or decode / batch) above the probe's sequences were accepted."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    refused(capsys, probe(model, tmp_path / "o", "--top-k", str(vocab)), f"keeps the model's whole vocabulary ({vocab}")
+    refused(capsys, probe(model, tmp_path / "o", "--prompts", "2", "--samples", "2", "--split-sequences", "5"),
+            "--split-sequences 5: the probe has 4 sequences", absent=tmp_path / "o")
+    refused(capsys, probe(model, tmp_path / "o", "--prompts", "2", "--samples", "2", "--batch-sequences", "6"),
+            "--batch-sequences 6: the probe has 4 sequences", absent=tmp_path / "o")
+    cfg = run_config(tmp_path, model, top_k=vocab + 5)
+    refused(capsys, ["train", "--config", cfg, "--out", tmp_path / "run"], "truncates nothing", absent=tmp_path / "run")
