@@ -937,3 +937,28 @@ def test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_
         assert r["split/temperature/mean_abs_dlogp"] > 0.05 and "split/truncation/mean_abs_dlogp" not in r, r
         assert r["split/total/mean_abs_dlogp"] == pytest.approx(r["mismatch/mean_abs_dlogp"], rel=1e-9)
         assert r["split/rounding/mean_abs_dlogp"] < r["split/temperature/mean_abs_dlogp"], r
+
+
+def test_a_resume_never_skips_a_step_whose_log_line_a_kill_cut(tmp_path):
+    """Issue 67: the last metrics line cut while a later checkpoint exists -- a resume from that checkpoint reported
+    success with the cut step missing from the log. The resume takes the newest checkpoint whose logged steps the log
+    holds (an older one here), and with none starts again."""
+    from rpa.train.rundir import latest_checkpoint, resumable_checkpoint
+
+    def checkpoint(step):
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        history = [{"step": s, "reward": 0.5, "loss": 0.1} for s in range(1, step + 1)]
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+
+    checkpoint(2)
+    checkpoint(4)
+    metrics = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in range(1, 5))
+    metrics.write_text(whole)
+    assert resumable_checkpoint(tmp_path, metrics) == latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    metrics.write_text(whole[: whole.rindex('{"step": 4')] + '{"step": 4, "rew')  # the kill cut step 4's line
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    assert resumable_checkpoint(tmp_path, metrics) == tmp_path / "checkpoint-2"
+    metrics.write_text('{"step": 1, "reward": 0.5}\n')  # step 2 lost too: no checkpoint is consistent with the log
+    assert resumable_checkpoint(tmp_path, metrics) is None

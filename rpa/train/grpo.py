@@ -42,6 +42,7 @@ from rpa.train.rundir import (
     latest_checkpoint,
     lock_run_dir,
     read_metrics,
+    resumable_checkpoint,
     truncate_metrics,
     wait_for,
 )
@@ -298,7 +299,10 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     from rpa.train.collapse import run_verdict
 
     metrics_path = out / "metrics.jsonl"
-    resume = latest_checkpoint(out)
+    resume = resumable_checkpoint(out, metrics_path)
+    if resume != latest_checkpoint(out):
+        _log(f"metrics.jsonl lacks a step {latest_checkpoint(out).name} had logged (its last line cut by a kill): "
+             f"resuming from {resume.name if resume else 'the start'} instead")
     resume_step = int(resume.name.split("-")[-1]) if resume else 0
     eval_path = out / "eval.jsonl"
     kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps)) if main else 0

@@ -83,6 +83,23 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
+def _logged_steps(checkpoint: Path) -> set[int]:
+    """The optimizer steps the trainer had logged (a reward among the logs) when ``checkpoint`` was written."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return {int(e["step"]) for e in state.get("log_history") or () if "reward" in e and "step" in e}
+
+
+def resumable_checkpoint(out: Path, metrics: Path) -> Path | None:
+    """The newest whole checkpoint whose logged steps are all in ``metrics`` (``metrics.jsonl``). A kill can cut the
+    log's last line after a later checkpoint was written: resuming from that checkpoint would leave the cut step out
+    of the log for good (the run reported success with a step missing), so an older checkpoint is taken instead, and
+    with none the run starts again."""
+    logged = {int(r["step"]) for r in read_metrics(metrics) if "step" in r}
+    ckpts = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and _whole_state(p)),
+                   key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    return next((c for c in ckpts if _logged_steps(c) <= logged), None)
+
+
 def drop_checkpoints(out: Path) -> list[str]:
     """Delete a finished run's ``checkpoint-*`` directories (``keep_checkpoints: false``); the names."""
     import shutil
