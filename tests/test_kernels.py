@@ -2,8 +2,8 @@
 
 On CPU they run under Triton's interpreter in a subprocess (structure and tolerances: the
 interpreter's BF16 conversion is not round-to-nearest). On a CUDA machine the bitwise
-claims are checked: one rounding of the exact result (FP64 reference) for >= 99.9% of
-elements and never more than 1 BF16 ulp off, batch invariance, the same bits from the
+claims are checked: one rounding of the exact result (FP64 reference) on every element whose rounding
+FP32-size errors cannot flip (the CPU tests' decided-element check) and never more than 1 BF16 ulp off, batch invariance, the same bits from the
 trainer's and the vLLM plugin's layouts, and compiled == eager for an aligned model.
 """
 
@@ -65,7 +65,10 @@ def test_cuda_kernels_round_once(kernels, shape):
             assert stats["beyond_fp32_bound"] == 0 and stats["equal_frac"] >= 0.999, (name, stats)
         else:
             stats = kc.vs_fp64(got[name], ref64[name])
-            assert stats["max_ulp"] <= 1 and stats["equal_frac"] >= 0.999, (name, stats)
+            # one rounding: every element whose rounding FP32-size errors cannot flip is the single rounding
+            assert stats["max_ulp"] <= 1 and stats["decided_wrong"] == 0, (name, stats)
+            # (the residual sum of two BF16 values often lies on a midpoint: it is checked bit for bit below)
+            assert name == "residual" or stats["decided"] > 0.95 * stats["elements"], (name, stats)
     # SwiGLU and RoPE use IEEE FP32 operations in torch's order: equal to eager torch on CUDA
     eager = kc.forward_outputs(numerics, t)
     assert torch.equal(got["swiglu"], eager["swiglu"]) and torch.equal(got["rope"], eager["rope"])

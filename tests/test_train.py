@@ -928,7 +928,7 @@ def test_truncated_sampling_trains_with_the_gap_split_per_step_and_renormalised_
     checked) and the gap is the temperature part."""
     runs = stock_runs[0]
     for r in runs["renormalised"]:
-        assert r["mismatch/mean_abs_dlogp"] < 1e-4, r  # pi / mu = 1 up to FP32's rounding
+        assert r["mismatch/mean_abs_dlogp"] < 1e-5, r  # pi / mu = 1 up to FP32's rounding (its floor: ~1e-6)
         assert r["split/rounding/mean_abs_dlogp"] == pytest.approx(r["mismatch/mean_abs_dlogp"], abs=1e-6)
         assert r["split/truncation/mean_abs_dlogp"] > 100 * r["mismatch/mean_abs_dlogp"] + 1e-3, r  # log S, unbiased away
         assert r["split/total/mean_abs_dlogp"] == pytest.approx(r["split/truncation/mean_abs_dlogp"], rel=0.05)
