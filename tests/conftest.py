@@ -156,3 +156,19 @@ def write_run_config(tmp_path, model, **overrides):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+REQUIRE_ENV = "RPA_TEST_REQUIRE"
+"""Comma-separated system parts (``tex``, ``slurm``) whose tests must run: where one is missing, its tests fail instead
+of skipping. ``.ci/run`` sets it, so a failed TeX or SLURM install cannot turn those tests into a green skip."""
+
+
+def skip_unless_present(part: str, missing: str | None) -> None:
+    """Skip the calling test because ``missing`` (why ``part`` is not there), or fail it where :data:`REQUIRE_ENV`
+    names ``part``; nothing when ``missing`` is None."""
+    if missing is None:
+        return
+    required = {p.strip() for p in os.environ.get(REQUIRE_ENV, "").split(",") if p.strip()}
+    if part in required:
+        pytest.fail(f"{part} is required here ({REQUIRE_ENV}) but missing: {missing}")
+    pytest.skip(missing)

@@ -49,3 +49,20 @@ def test_the_slow_set_is_the_whole_tools_end_to_end():
     assert {i for i in ids if not i.startswith("tests/test_slurm_cluster.py")} == {
         "tests/test_pipeline.py::test_small_pipeline_runs_end_to_end_and_resumes",
         "tests/test_gpucheck.py::test_gpu_check_runs_end_to_end_here"}, ids
+
+
+def test_ci_requires_the_tex_and_slurm_tests_to_run(monkeypatch):
+    """Issue 74: a failed TeX or SLURM install in .ci/run turned those tests into skips and CI stayed green. .ci/run
+    names both as required, and a required part that is missing fails its test instead of skipping it."""
+    import pytest as _pytest
+
+    from tests.conftest import REQUIRE_ENV, skip_unless_present
+
+    assert f"export {REQUIRE_ENV}=tex,slurm" in (REPO / ".ci/run").read_text()
+    monkeypatch.setenv(REQUIRE_ENV, "tex,slurm")
+    with _pytest.raises(_pytest.fail.Exception, match="slurm is required here"):
+        skip_unless_present("slurm", "not installed")
+    monkeypatch.setenv(REQUIRE_ENV, "tex")
+    with _pytest.raises(_pytest.skip.Exception):
+        skip_unless_present("slurm", "not installed")
+    skip_unless_present("slurm", None)  # present: nothing happens

@@ -17,6 +17,14 @@ DOSE = REPO / "results/reference/cpu"  # the committed positive control, another
 HAVE_TEX = bool(shutil.which("latexmk") and shutil.which("pdflatex"))
 
 
+@pytest.fixture
+def tex():
+    """TeX for the tests that build a PDF: skipped without it, failed where it is required (tests.conftest)."""
+    from tests.conftest import skip_unless_present
+
+    skip_unless_present("tex", None if HAVE_TEX else "no latexmk/pdflatex")
+
+
 def _macro(claims: str, name: str) -> str:
     match = re.search(r"^\\newcommand\{\\" + name + r"\}\{(.*)\}$", claims, re.M)
     assert match, f"no \\{name} in claims.tex"
@@ -127,7 +135,7 @@ def test_a_wide_table_is_scaled_only_when_wider_and_long_headers_wrap():
     assert "\\small" in narrow and "\\scriptsize" in wide
 
 
-@pytest.mark.skipif(not HAVE_TEX, reason="no latexmk/pdflatex")
+@pytest.mark.usefixtures("tex")
 @pytest.mark.parametrize("columns", [2, 9, 16, 30])
 def test_generated_tables_of_any_width_fit_the_text(tmp_path, columns):
     from analysis.latex import booktabs
@@ -145,7 +153,7 @@ def test_generated_tables_of_any_width_fit_the_text(tmp_path, columns):
     assert "Overfull \\hbox" not in log and "Float too large" not in log
 
 
-@pytest.mark.skipif(not HAVE_TEX, reason="no latexmk/pdflatex")
+@pytest.mark.usefixtures("tex")
 def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
     """The tables as the current code writes them (regenerated from the committed raw results),
     the committed figures, the paper: no line, table or figure wider than the text."""

@@ -60,8 +60,9 @@ def _slurm_missing() -> str | None:
 
 def _start(tmp_path_factory, name: str, mode: str):
     why = _slurm_missing()
-    if why:
-        pytest.skip(f"no SLURM test cluster: {why}")
+    from tests.conftest import skip_unless_present
+
+    skip_unless_present("slurm", why and f"no SLURM test cluster: {why}")
     # not under pytest's folder, which only root may enter: munged and slurmctld run as their own users
     folder = Path(tempfile.mkdtemp(prefix=f"rpa-{name}-"))
     proc = subprocess.run([str(CLUSTER), "start", str(folder), mode], capture_output=True, text=True, timeout=180)

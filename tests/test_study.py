@@ -360,7 +360,10 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
         assert proc.returncode == 0, tail(proc)
         assert (res / "paper/main.pdf").stat().st_size > 20_000
     else:
+        from tests.conftest import skip_unless_present
+
         assert proc.returncode == 1 and "no TeX engine" in proc.stderr and "apt-get install latexmk" in proc.stderr
+        skip_unless_present("tex", "no latexmk/pdflatex: the PDF was not built")  # fails where TeX is required
 
 
 def test_every_arm_has_its_own_colour():
