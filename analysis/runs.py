@@ -337,7 +337,7 @@ def probe_token_tables(results: Path) -> list[tuple[str, str, Path]]:
     return [(p.parent.parent.name, p.parent.name, p) for p in sorted(Path(results).glob("probe/*/*/tokens.csv"))]
 
 
-def read_csv(path: Path, **options):
+def read_table(path: Path, **options):
     """A result table (pandas' ``read_csv`` with ``options``), or one line naming the file where it cannot be read as
     one (binary, cut, a folder)."""
     import pandas as pd
@@ -355,7 +355,7 @@ def read_csv(path: Path, **options):
 
 def read_tokens(path: Path, **read_csv):
     """A per-token table (``tokens.csv`` of a probe or an attribution; pandas' ``read_csv`` options)."""
-    return read_csv(path, **read_csv)
+    return read_table(path, **read_csv)
 
 
 def probe_folder(results: Path, model: str, config: str) -> Path:
@@ -380,7 +380,7 @@ def diagnose_layers(results: Path):
 
     frames = []
     for path in sorted(Path(results).glob("diagnose/*/*/layers.csv")):
-        frame = read_csv(path)
+        frame = read_table(path)
         frame.insert(0, "config", path.parent.name)
         frame.insert(0, "model", path.parent.parent.name)
         frames.append(frame)

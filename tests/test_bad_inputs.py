@@ -566,17 +566,17 @@ def test_a_run_directory_whose_config_was_cut_is_refused_before_anything_loads(c
 
 def test_a_damaged_csv_table_is_named_in_one_line(tmp_path):
     from analysis.refusal import Refused
-    from analysis.runs import read_csv
+    from analysis.runs import read_table
 
     path = tmp_path / "tokens.csv"
     path.write_bytes(b"\xff\xfe\x00\x81" * 100)
     with pytest.raises(Refused, match=f"{path}: not text"):
-        read_csv(path)
+        read_table(path)
     path.write_text('seq,position\n1,2\n"3,4\n')
     with pytest.raises(Refused, match=f"{path}: not a readable CSV table"):
-        read_csv(path)
+        read_table(path)
     with pytest.raises(Refused, match="a folder where a CSV table must be"):
-        read_csv(tmp_path)
+        read_table(tmp_path)
 
 
 def test_sampling_values_that_change_nothing_or_exceed_the_probe_are_refused(capsys, model, tmp_path):
