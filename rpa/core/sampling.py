@@ -25,7 +25,9 @@ Only ``rounding`` depends on where each stack rounds; at FP32 on both sides it i
 floor. The truncation rule is vLLM's (``apply_top_k_top_p``): on the temperature-scaled logits,
 top-k keeps every token at least as large as the k-th largest (ties kept), then top-p masks the
 smallest tokens whose ascending cumulative probability is at most ``1 - top_p``, always keeping
-the largest.
+the largest. :func:`kept_mask` follows vLLM 0.32's CPU path bit for bit, tied BF16 logits at the
+edge included (tested against ``apply_top_k_top_p_pytorch`` on 8,192-token vocabularies); vLLM's
+GPU path (a Triton kernel) has its own order among ties, which this does not reproduce.
 """
 
 from __future__ import annotations
@@ -176,23 +178,31 @@ def recompute_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor
 
 def kept_mask(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """The tokens the sampler can draw (bool, same shape): vLLM's top-k then top-p rule on the
-    temperature-scaled logits (module docstring); every token where truncation is off."""
+    temperature-scaled logits (module docstring), as vLLM 0.32's CPU path computes it
+    (``apply_top_k_only`` for top-k alone, ``apply_top_k_top_p_pytorch`` with top-p) down to the
+    tokens tied at the edge; every token where truncation is off."""
     import torch
 
     scaled = logits.float() / settings.temperature
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    if settings.top_k > 0 and settings.top_k < scaled.shape[-1]:
-        kth = scaled.topk(settings.top_k, dim=-1).values[..., -1:]
-        keep &= scaled >= kth  # ties with the k-th largest stay, as in vLLM
-    if settings.top_p < 1:
-        masked = scaled.masked_fill(~keep, -math.inf)
-        ascending, order = masked.sort(dim=-1)  # as vLLM sorts: the same order among ties
-        probs = torch.softmax(ascending, dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) <= 1 - settings.top_p  # the small tail holding at most 1 - top_p
-        drop_sorted[..., -1] = False  # the most likely token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        keep &= ~drop
-    return keep
+    vocab = scaled.shape[-1]
+    top_k = settings.top_k if 0 < settings.top_k < vocab else 0
+    if settings.top_p >= 1:
+        if not top_k:
+            return torch.ones_like(scaled, dtype=torch.bool)
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        return scaled >= kth  # ties with the k-th largest stay, as in vLLM's apply_top_k_only
+    # vLLM sorts the logits themselves (not a masked copy: the order among ties is the sort's on these values),
+    # masks top-k in that order, then drops the ascending tail whose cumulative probability is <= 1 - p
+    ascending, order = scaled.sort(dim=-1, descending=False)
+    if top_k:
+        kth = ascending[..., vocab - top_k: vocab - top_k + 1]
+        ascending = ascending.masked_fill(ascending < kth, -math.inf)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    tail = torch.tensor(1.0, dtype=torch.float32) - torch.tensor(settings.top_p, dtype=torch.float32)
+    drop = cumulative <= tail  # 1 - p in float32, as vLLM's p tensor gives it (not Python's double)
+    drop[..., -1] = False  # the most likely token always stays
+    kept_sorted = ~drop & (ascending > -math.inf)
+    return torch.zeros_like(kept_sorted).scatter(-1, order, kept_sorted)
 
 
 def processed_logprobs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
