@@ -385,6 +385,11 @@ def test_committed_grid_reports_the_raw_terminal_reward_and_the_absorbing_end():
 def test_committed_search_says_what_is_before_any_drop_and_compares_mismatch_at_matched_entropy():
     grid, lever = _committed_stage("grid"), _committed_stage("lever")
     env = grid["envelope"]
+    # no `none` run collapsed: the envelope is the largest in-training mismatch any `none` run logged, from the raw logs
+    logged = [json.loads(line)["mismatch/mean_abs_dlogp"]
+              for log in sorted((REPO / "results/reference/collapse-cpu/search/grid").glob("*/none/seed*/metrics.jsonl"))
+              for line in log.read_text().splitlines() if line.strip()]
+    assert len(logged) >= 12 * 100 and env["max_pre_collapse_mismatch"] == pytest.approx(max(logged), abs=1e-12)
     assert env["max_pre_collapse_mismatch"] == pytest.approx(9.24e-3, abs=1e-5)  # step 108 of lr8e-4 none seed 3
     assert env["max_pre_drop_mismatch"] == pytest.approx(8.75e-3, abs=1e-5)  # before its raw reward fell (step 93)
     assert "0.00875 before any drop" in grid["decision"]["statement"]
