@@ -47,9 +47,6 @@ from rpa.core.numerics_config import NumericsConfig
 from rpa.core.runlog import log
 
 SCHEMA = "rpa.attribution/1"
-SWAPS = ("qkv", "o", "gate_up", "down", "lm_head")
-"""Ops the trainer can take from vLLM: the four GEMMs of a decoder layer (q/k/v merged as vLLM
-merges them; gate/up likewise) in every layer, and the LM head (vLLM's ``logits_processor``)."""
 RUNGS: dict[str, tuple[str, ...]] = {
     "trainer": (),
     "vllm-qkv": ("qkv",),

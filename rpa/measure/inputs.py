@@ -218,11 +218,6 @@ def nonfinite_tensor(path: Path) -> str | None:
     return None
 
 
-def _safetensors_complete(path: Path) -> str | None:
-    """Why a ``.safetensors`` file cannot be whole (header unreadable or malformed, data cut short), or None."""
-    return safetensors_header(path)[1]
-
-
 def _weight_files(path: Path, spec: str) -> list[Path]:
     """The checkpoint's safetensors files (every shard its index names), or :class:`InputError`."""
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
@@ -397,12 +392,3 @@ def check_output(out: str | Path, kind: str, inputs: tuple[str | Path, ...] = ()
         if other is not None and other != command:
             raise InputError(f"--out {out}: holds the output of rpa {other}; rpa {command} writes elsewhere (use "
                              f"another directory)")
-
-
-def check_file(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{what} {path}: no such file")
-    if p.stat().st_size == 0:
-        raise InputError(f"{what} {path}: empty file")
-    return p

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rpa.core.fieldtypes import check_choices, choices
+from rpa.core.fieldtypes import check_choices
 from rpa.core.jsonfiles import write_json
 from rpa.core.numerics_config import PRECISIONS, NumericsConfig
 from rpa.core.regions import REGIONS, format_regions
@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # torch loads with the check, not with the options (the CLI's
 
 SCHEMA = "rpa.parity/1"
 TrainerDtype = Literal["bf16", "fp32"]  # spelled as NumericsConfig.precision (rpa.core.numerics_config.PRECISIONS)
-TRAINER_DTYPES = choices(TrainerDtype)
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,6 @@ class CollapseThresholds:
             raise ValueError(f"min_best_reward must be >= 0, got {self.min_best_reward}")
 
 
-VERDICTS = ("stable", "unconfirmed", "collapsed")
-
 RULE_VERSION = "v4"
 """The version of the collapse rule :func:`collapse_verdict` applies, in every verdict it
 returns (and so in every ``summary.json`` written since, and in every table's ``rule_version``

@@ -33,7 +33,7 @@ BASE, CELL = "base", "cell"
 """The two :attr:`SharedWarmStart.level` s that are not axes: before any axis, and the whole cell."""
 
 WARM_START_INPUTS = ("model", "task", "warm_start", "max_prompt_length", "seed")
-"""The run keys a warm start reads (:func:`rpa.train.run.warm_start` depends on nothing else): a
+"""The run keys a warm start reads (:func:`rpa.train.grpo.run_warm_start` depends on nothing else): a
 warm start named by their digest is the same checkpoint wherever the digest is the same."""
 
 
