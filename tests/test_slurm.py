@@ -118,3 +118,28 @@ def test_the_validation_used_above_rejects_gres_in_slurm_extra():
     """The control: what the rules used to set is refused by the validation sbatch_line runs."""
     with pytest.raises(WorkflowError, match="GRES"):
         validate_slurm_extra(SimpleNamespace(resources=SimpleNamespace(slurm_extra="--gres=gpu:1")))
+
+
+def test_the_cluster_page_names_the_plugins_flags_and_the_profiles_keys():
+    """docs/cluster.md (issue 73): every --slurm-* flag it names is one of the plugin's settings, the resources it
+    says to set (qos, constraint, gpu_model) become the sbatch flags it says through the plugin's own code, the
+    profile holds the keys it says to edit, and its one command names files that exist."""
+    import dataclasses
+    import re
+
+    from snakemake_executor_plugin_slurm import ExecutorSettings
+
+    page = (REPO / "docs/cluster.md").read_text()
+    settings = {f.name for f in dataclasses.fields(ExecutorSettings)}
+    flags = set(re.findall(r"--slurm-([a-z-]+)", page))
+    assert {"status-command", "logdir"} <= flags and all(f.replace("-", "_") in settings for f in flags), flags
+    job = {"rule": "grid_run", "threads": 4,
+           "resources": {"gpu": 2, "gpu_model": "a100", "qos": "long", "constraint": "ib", "cpus_per_task": 4,
+                         "mem_mb": 1000, "runtime": 60, "nodes": 1, "tasks_per_gpu": 0, "slurm_partition": "gpu"}}
+    line = sbatch_line(job)
+    assert "--qos=long" in line and "-C ib" in line and "--gpus=a100:2" in line, line
+    assert {"slurm_partition", "slurm_account"} <= set(PROFILE["default-resources"])
+    assert PROFILE["set-resources"]["grid_run"]["slurm_partition"]
+    command = re.search(r"^snakemake study paper (.*)$", page, re.M).group(1).split()
+    for flag in ("--workflow-profile", "--configfile"):
+        assert (REPO / command[command.index(flag) + 1]).exists(), flag
