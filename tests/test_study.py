@@ -320,7 +320,8 @@ def test_study_analysis_regenerates_from_committed_raw_results(tmp_path):
 
 
 def test_export_replaces_the_stage_never_merges_stale_runs(tmp_path):
-    """Exporting again into a reference folder keeps its README but not runs the new results lack."""
+    """Exporting again into a reference folder keeps its README but not runs the new results lack (an export with
+    fewer finished runs than the reference holds is refused unless asked for: issue 67)."""
     def run(root, cell):
         d = root / "study" / cell
         d.mkdir(parents=True)
@@ -335,9 +336,14 @@ def test_export_replaces_the_stage_never_merges_stale_runs(tmp_path):
         (root / "study/manifest.json").write_text("{}")
     out.mkdir()
     (out / "README.md").write_text("kept")
-    for root in (first, second):
-        proc = run_py(["-m", "analysis.export_reference", "--results", str(root), "--out", str(out), "--what", "study"])
-        assert proc.returncode == 0, tail(proc)
+    export = ["-m", "analysis.export_reference", "--out", str(out), "--what", "study"]
+    proc = run_py([*export, "--results", str(first)])
+    assert proc.returncode == 0, tail(proc)
+    proc = run_py([*export, "--results", str(second)])  # 1 run over 2: refused, nothing changed
+    assert proc.returncode == 2 and "holds 2 finished results and the export brings 1" in proc.stderr, tail(proc)
+    assert sorted(p.parent.name for p in (out / "study").glob("*/*/*/summary.json")) == ["seed0", "seed9"]
+    proc = run_py([*export, "--results", str(second), "--allow-fewer"])
+    assert proc.returncode == 0 and "had 2 finished results, now 1" in proc.stderr, tail(proc)
     assert sorted(p.parent.name for p in (out / "study").glob("*/*/*/summary.json")) == ["seed0"]
     assert (out / "README.md").read_text() == "kept"
     assert (out / "study/m/none/seed0/metrics.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'
