@@ -180,10 +180,15 @@ EOF
 
 stop() {
   local dir=$1
-  [ -f "$dir/slurm.conf" ] || die "no cluster in $dir"
-  export SLURM_CONF=$dir/slurm.conf
+  # a start that failed before writing slurm.conf can still have started munged: stop what the folder's pid files
+  # name, and refuse only a folder with none of them
+  [ -f "$dir/slurm.conf" ] || [ -f "$dir/munge/munged.pid" ] || [ -f "$dir/slurmctld.pid" ] || [ -f "$dir/slurmd.pid" ] \
+    || die "no cluster in $dir"
   local pid p
-  scontrol shutdown >/dev/null 2>&1 || true
+  if [ -f "$dir/slurm.conf" ]; then
+    export SLURM_CONF=$dir/slurm.conf
+    scontrol shutdown >/dev/null 2>&1 || true
+  fi
   for p in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
     [ -f "$p" ] || continue
     pid=$(cat "$p")
@@ -195,7 +200,10 @@ stop() {
     kill "$pid" 2>/dev/null || true
     wait_for 10 sh -c "! kill -0 $pid" || true
   fi
-  if [ "$(readlink "$RUN_CONF" 2>/dev/null)" = "$dir/slurm.conf" ]; then rm -f "$RUN_CONF"; fi
+  if [ "$(readlink "$RUN_CONF" 2>/dev/null)" = "$dir/slurm.conf" ]; then
+    rm -f "$RUN_CONF"
+    rmdir "$(dirname "$RUN_CONF")" 2>/dev/null || true  # the folder start made, if nothing else is in it
+  fi
   echo "cluster.sh: cluster in $dir stopped"
 }
 
