@@ -177,6 +177,37 @@ def _clean(value):
     return value
 
 
+def decided(runs: pd.DataFrame, curves: pd.DataFrame, manifest: dict, rule: dict) -> dict:
+    """What a grid's registered decision ``rule`` says of its runs: the decision, the comparison, the envelope and,
+    where the rule has them, its questions and its effects (a search stage's, a ``grids:`` entry's)."""
+    summary = {"decision": decision(runs, rule), "comparison": comparison(runs, rule, curves),
+               "envelope": envelope(runs, rule, manifest)}
+    if rule.get("questions"):
+        summary["questions"] = questions(runs, rule)
+    if rule.get("effects"):
+        summary["effects"] = effects(runs, curves, rule)
+    return summary
+
+
+def decided_text(summary: dict, what: str) -> str:
+    """The decision's statement and each question's answer, as the tables print them (``what``: the grid, as the
+    statement names it)."""
+    text = ""
+    if "decision" in summary:
+        text += (f"**Decision** (rule fixed in the config before the {what} ran): "
+                 f"{summary['decision']['statement']}\n\n")
+    for name, q in (summary.get("questions") or {}).get("questions", {}).items():
+        auc = q.get("reward_auc") or {}
+        text += (f"**{name}** {q['question']} `{q['a']}` collapsed {q['a_collapsed'][0]}/{q['a_collapsed'][1]} "
+                 f"vs `{q['b']}` {q['b_collapsed'][0]}/{q['b_collapsed'][1]} (one-sided Fisher p = "
+                 f"{q['fisher_p'] if q['fisher_p'] is None else format(q['fisher_p'], '.3g')}): "
+                 f"**{q['answer']}**; reward AUC `{q['a']}` - `{q['b']}` paired by seed: mean "
+                 f"{auc.get('mean_difference') if auc.get('mean_difference') is None else format(auc['mean_difference'], '.3g')}, "
+                 f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}"
+                 f"{_shift_text(auc.get('shift'))}.\n\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", required=True, type=Path)
@@ -220,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"groups": per_group.to_dict(orient="records")}
         if args.stage in DECIDED_STAGES:
             rule = manifest.get("decision") or {}
-            summary.update(decision=decision(runs, rule), comparison=comparison(runs, rule, curves),
-                           envelope=envelope(runs, rule, manifest))
-            if rule.get("questions"):
-                summary["questions"] = questions(runs, rule)
-            if rule.get("effects"):
-                summary["effects"] = effects(runs, curves, rule)
+            summary.update(decided(runs, curves, manifest, rule))
             if manifest.get("post_hoc") and not summary["decision"].get("unfinished"):
                 summary["post_hoc"] = post_hoc(runs, curves, manifest["post_hoc"], rule)
         sens = sensitivity_groups(runs, axes)
@@ -236,19 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         table = runs
         shown = per_group
         _figure_grid(curves, manifest, args.figure, manifest.get("decision") or {}, runs)
-        text = f"### {manifest['label']}: {args.stage}\n\n"
-        if "decision" in summary:
-            text += (f"**Decision** (rule fixed in the config before the {args.stage} ran): "
-                     f"{summary['decision']['statement']}\n\n")
-        for name, q in (summary.get("questions") or {}).get("questions", {}).items():
-            auc = q.get("reward_auc") or {}
-            text += (f"**{name}** {q['question']} `{q['a']}` collapsed {q['a_collapsed'][0]}/{q['a_collapsed'][1]} "
-                     f"vs `{q['b']}` {q['b_collapsed'][0]}/{q['b_collapsed'][1]} (one-sided Fisher p = "
-                     f"{q['fisher_p'] if q['fisher_p'] is None else format(q['fisher_p'], '.3g')}): "
-                     f"**{q['answer']}**; reward AUC `{q['a']}` - `{q['b']}` paired by seed: mean "
-                     f"{auc.get('mean_difference') if auc.get('mean_difference') is None else format(auc['mean_difference'], '.3g')}, "
-                     f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}"
-                     f"{_shift_text(auc.get('shift'))}.\n\n")
+        text = f"### {manifest['label']}: {args.stage}\n\n" + decided_text(summary, args.stage)
         confidence = (manifest.get("decision") or {}).get("confidence", 0.95)
         absorbing = "; ".join(f"{a['cell']} (verdict {a['verdict']}, raw terminal reward {a['terminal_reward']:.3g}, "
                               f"smoothed final reward {a['final_reward']:.3g})" for a in summary["absorbing"]) or "none"

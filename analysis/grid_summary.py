@@ -6,8 +6,9 @@
 columns as a search stage). The CSV has one row per cell, missing and failed runs included
 (``state``); the Markdown table one row per group (every axis but the seed: runs, finished,
 collapsed with an exact interval at ``--confidence``, raw terminal reward, reward AUC, entropy,
-mismatch before any collapse), then one per run. A ``grids:`` entry has no decision rule: its
-statistics are for the reader (a rule belongs in a search's ``decision``, fixed before it runs).
+mismatch before any collapse), then one per run. An entry with a ``decision`` (written in the config before the grid
+runs, the keys of a search stage's) is read by that rule: its statement, each question's answer and the effects'
+table come first, as a search stage's tables give them; without one the statistics are for the reader.
 
 ``python -m analysis.grid_summary --results R --train --out-csv F --out-md F --out-figure F`` (also
 ``python -m analysis.train_summary --results R --out-table F --out-md F --out-figure F``, its older name)
@@ -39,21 +40,32 @@ RUN_COLUMNS = ("seed", "state", "status", "steps", "collapsed", "collapse_step",
 """The per-run columns of the Markdown table (after the axes), where the runs have them."""
 
 
-def tables(results: Path, name: str, confidence: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """(one row per cell, one row per group, the manifest) of grid ``name``."""
+def tables(results: Path, name: str, confidence: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame, dict, dict | None]:
+    """(one row per cell, one row per group, the manifest, what its registered decision says or None) of grid
+    ``name``: an entry with a ``decision`` is read by the rule a search stage's is (:func:`analysis.collapse_search.
+    decided`: the decision, its questions and its effects)."""
+    from analysis.collapse_search import decided
+
     manifest = read_manifest(results / "grids" / name / MANIFEST)
-    runs, _ = search_rows(results, manifest, section="grids")
-    return runs, groups(runs, list(manifest["axes"]), confidence), manifest
+    runs, curves = search_rows(results, manifest, section="grids")
+    rule = manifest.get("decision")
+    return (runs, groups(runs, list(manifest["axes"]), confidence), manifest,
+            decided(runs, curves, manifest, rule) if rule else None)
 
 
-def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, manifest: dict, confidence: float) -> str:
+def markdown(runs: pd.DataFrame, per_group: pd.DataFrame, manifest: dict, confidence: float,
+             decision: dict | None = None) -> str:
+    from analysis.collapse_search import _effects_markdown, decided_text
+
     axes = list(manifest["axes"])
     shown = per_group[[c for c in [*axes, "runs", "finished", "failed", "missing", "collapsed", "collapse_rate_low",
                                    "collapse_rate_high", "terminal_reward", "reward_auc", "entropy",
                                    "pre_collapse_mismatch"] if c in per_group]]
     per_run = runs[[c for c in [*axes, *RUN_COLUMNS] if c in runs]]
-    return (f"### grid {manifest['grid']}\n\nPer group ({len(per_group)}; collapse rate: exact {confidence:.0%} "
-            f"interval over the finished runs):\n\n{shown.to_markdown(index=False, floatfmt='.3g')}\n\n"
+    decided = "" if decision is None else decided_text(decision, f"grid {manifest['grid']}")
+    effects = "" if decision is None or "effects" not in decision else "\n" + _effects_markdown(decision["effects"])
+    return (f"### grid {manifest['grid']}\n\n{decided}Per group ({len(per_group)}; collapse rate: exact {confidence:.0%} "
+            f"interval over the finished runs):\n\n{shown.to_markdown(index=False, floatfmt='.3g')}\n{effects}\n"
             f"Per run ({len(runs)}):\n\n{per_run.to_markdown(index=False, floatfmt='.3g')}\n")
 
 
@@ -164,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.results / "grids" / args.grid / "manifest.json").is_file():
         parser.error(f"{args.results}/grids/{args.grid}/manifest.json: no such grid manifest "
                      f"(snakemake writes it: the grid {args.grid!r} of the config's grids: section)")
-    runs, per_group, manifest = tables(args.results, args.grid, args.confidence)
+    runs, per_group, manifest, decision = tables(args.results, args.grid, args.confidence)
     for path in (args.out_csv, args.out_md):
         path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(args.out_csv) as tmp:
         runs.to_csv(tmp, index=False)
-    write_text(args.out_md, markdown(runs, per_group, manifest, args.confidence))
+    write_text(args.out_md, markdown(runs, per_group, manifest, args.confidence, decision))
     print(f"grid {args.grid}: {len(runs)} runs ({(runs['state'] == 'finished').sum()} finished) -> {args.out_csv}")
     return 0
 

@@ -356,3 +356,48 @@ def test_a_preset_entrys_analysis_writes_the_tables_its_section_writes(tmp_path,
         if table == "dose_runs.csv":  # its cell column: the run's directory under grids/, the entry's name first
             mine = mine.replace(",e/", ",")
         assert mine == text, table
+
+
+def test_a_grids_entry_carries_a_decision_read_by_its_table(tmp_path):
+    """Issue 69: a decision (the keys of a search stage's) may sit on a plain ``grids:`` entry: checked with the
+    entry's cells, written into its manifest, and read by the entry's table (analysis.grid_summary) with the
+    search's own functions -- the statement, each question's answer and the effects' table, recomputed here from
+    the raw runs."""
+    from analysis import grid_summary
+    from rpa.workflow.experiments import manifest as entry_manifest
+    from tests.test_collapse_search import FALLS, STABLE, _write_run
+
+    rule = {"arm_axis": "arm", "rung_axis": "lr", "reference_arm": "none", "control_arm": "fp32",
+            "treatment_arm": "all", "min_reference_collapsed": 3, "max_control_collapsed": 0,
+            "questions": {"Q1": {"question": "Does none collapse more often than fp32?", "a": "none", "b": "fp32"}},
+            "outcome": "reward_auc", "effects": {"numerics": {"contrast": {"all": 1, "none": -1}}}}
+    entry = {"base": "experiments/train/collapse-walk.yaml", "seeds": [0, 1, 2, 3], "overrides": {"model": "tiny-qwen3"},
+             "axes": {"lr": {"lr1": {"learning_rate": 1e-4}},
+                      "arm": {"none": {}, "all": {"numerics": {"regions": "all"}}, "fp32": {"numerics": {"precision": "fp32"}}}},
+             "decision": rule}
+    config = _with_grids(tmp_path, {"g": entry})
+    cells = check_config(config).cells["grids"]
+    made = entry_manifest(config, "grids", "g", cells)
+    assert made["decision"]["effects"] == rule["effects"] and made["decision"]["reference_arm"] == "none"
+    bad = copy.deepcopy(entry)
+    bad["decision"]["questions"]["Q1"]["b"] = "none"
+    with pytest.raises(PipelineConfigError, match="grids.g.decision.questions.Q1: compares 'none' with itself"):
+        check_config(_with_grids(tmp_path, {"g": bad}))
+    # the runs: none collapses in 3 of 4 seeds, fp32 and all never
+    results = tmp_path / "results"
+    rows = []
+    for c in cells:
+        falls = c.labels["arm"] == "none" and c.seed < 3
+        _write_run(results.parent / "runs", c.name, FALLS if falls else STABLE, [0.01 * (i + 1) for i in range(12)])
+        (results / "grids" / c.name).parent.mkdir(parents=True, exist_ok=True)
+        (results.parent / "runs" / "search" / c.name).rename(results / "grids" / c.name)
+        rows.append({"cell": c.name, "labels": dict(c.labels), "seed": c.seed, "model": "m"})
+    (results / "grids" / "g" / "manifest.json").write_text(json.dumps({**made, "cells": rows}))
+    out_md = tmp_path / "g.md"
+    assert grid_summary.main(["--results", str(results), "--grid", "g", "--out-csv", str(tmp_path / "g.csv"),
+                              "--out-md", str(out_md)]) == 0
+    text = out_md.read_text()
+    assert "**Decision** (rule fixed in the config before the grid g ran): " in text
+    assert "collapses naturally" in text and "lr1" in text
+    assert "**Q1** Does none collapse more often than fp32? `none` collapsed 3/4 vs `fp32` 0/4" in text
+    assert "numerics" in text.split("Per run")[0]  # the effects' table, before the runs

@@ -361,7 +361,17 @@ def _search_manifest(config, written, stage, axes):
 
 
 def _grids_manifest(config, written, name, axes):
-    return {"grid": name, "axes": axes}
+    return {"grid": name, "axes": axes, **({"decision": written["decision"]} if written.get("decision") else {})}
+
+
+def _grids_after(config: dict[str, Any], written: dict[str, Any], key: str, cells: list[Cell],
+                 runs_valid: bool) -> list[str]:
+    """A plain ``grids:`` entry's decision (``decision``, as a search stage's: :func:`decision_problems`)."""
+    if not written.get("decision"):
+        return []
+    name = next((n for n, w in (config.get("grids") or {}).items() if w is written), None)
+    own = [c for c in cells if name is None or grid_stage(c) == name]
+    return decision_problems(written["decision"], own, f"grids.{name}.decision" if name else f"{key}.decision")
 
 
 # ---------------------------------------------------------------- the kinds
@@ -479,7 +489,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "python -m analysis.grid_summary --results {params.results} --grid {wildcards.entry} --out-csv {output.csv} "
          "--out-md {output.md} > {log} 2>&1",
          {"csv": "tables/grids/{entry}.csv", "md": "tables/grids/{entry}.md"}, ("csv",), "Grids", "grids",
-         "grids_{entry}.log", entries_at=()),
+         "grids_{entry}.log", entries_at=(), after=_grids_after),
 )}
 """Every kind of experiment by its config section, in the order the workflow lists them. A new kind is one
 entry here (its preset, checks, manifest extras, analysis and outputs) and a caption rules/report/<kind>.rst."""
