@@ -186,3 +186,42 @@ def test_the_kept_tokens_are_vllms_on_large_bf16_vocabularies_with_ties(settings
     theirs = torch.isfinite(apply_top_k_top_p_pytorch(scaled.clone(), k, p))
     ours = kept_mask(logits, settings)
     assert torch.equal(ours, theirs), f"{int((ours != theirs).any(-1).sum())} of {logits.shape[0]} rows differ"
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.7, top_p=0.9), SamplingSettings(top_k=20),
+                                      SamplingSettings(temperature=0.6, top_p=0.8, top_k=20),
+                                      SamplingSettings(temperature=0.7, logprobs="raw"),
+                                      SamplingSettings(temperature=1.3, top_p=0.95, logprobs="raw")],
+                         ids=lambda s: s.label)
+def test_the_split_agrees_with_an_independent_float64_reckoning(settings):
+    """Issue 74: the split's tests restated its definition (it adds up by construction; the temperature part's
+    expected value was the implementation's own expression). Here every part is reckoned again from first principles
+    in float64 numpy -- log-sum-exp by hand, the kept set as the smallest most-likely prefix holding ``top_p`` of the
+    probability among the ``top_k`` largest -- on random FP32 logits (no ties), and the implementation must agree to
+    FP32 precision, part by part."""
+    import numpy as np
+
+    def lse(x):
+        m = x.max()
+        return m + np.log(np.exp(x - m).sum())
+
+    logits = _logits(rows=32, vocab=512, seed=11, scale=3.0)
+    trainer = logits + 0.01 * _logits(rows=32, vocab=512, seed=12)
+    t = settings.temperature
+    for row in range(32):
+        l, lt = logits[row].double().numpy(), trainer[row].double().numpy()
+        y = int(np.argmax(l))  # always kept
+        order = np.argsort(-l)  # descending, no ties
+        kept = order[: settings.top_k] if settings.top_k > 0 else order
+        probs = np.exp(l[kept] / t - lse(l[kept] / t)) if settings.top_k > 0 else np.exp(l[kept] / t - lse(l / t))
+        if settings.top_p < 1:  # the smallest prefix holding top_p of the (top-k renormalised) probability
+            kept = kept[: int(np.searchsorted(np.cumsum(probs), settings.top_p) + 1)]
+        scaled = l[y] / t - lse(l / t)
+        want = {"rounding": (lt[y] / t - lse(lt / t)) - scaled,
+                "truncation": scaled - (l[y] / t - lse(l[kept] / t)) if settings.logprobs == "processed" else 0.0,
+                "temperature": scaled - (l[y] - lse(l)) if settings.logprobs == "raw" else 0.0}
+        got = gap_split(float(recompute_logprobs(trainer[row], t)[y]), sampler_token(logits[row], y, settings),
+                        settings.logprobs)
+        for part, value in want.items():
+            assert got[part] == pytest.approx(value, abs=2e-5), (row, part, got, want)
+        assert got["total"] == pytest.approx(sum(want.values()), abs=5e-5)
