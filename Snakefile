@@ -49,6 +49,16 @@ except (PipelineConfigError, YamlError) as err:  # one line per invalid entry
 include: "rules/common.smk"
 
 
+onstart:
+    # before any job is submitted: a SLURM status command that can never see a job end is refused in one line
+    from rpa.workflow.cluster import status_command_problem
+
+    _problem = status_command_problem(getattr(workflow.executor_plugin, "name", None),
+                                      getattr(workflow.executor_settings, "status_command", None))
+    if _problem:
+        raise SystemExit(f"rpa: error: {_problem}")
+
+
 report: "rules/report/workflow.rst"  # snakemake --report report.html: the tables and figures with captions
 
 

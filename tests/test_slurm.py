@@ -4,6 +4,7 @@ as its ``run_job`` calls them), asks for one task on one node with its GPUs and 
 names, on the GPU partition when it takes GPUs and the CPU-only partition otherwise; config-writing
 jobs are local (never submitted)."""
 
+import os
 import shlex
 from types import SimpleNamespace
 
@@ -143,3 +144,19 @@ def test_the_cluster_page_names_the_plugins_flags_and_the_profiles_keys():
     command = re.search(r"^snakemake study paper (.*)$", page, re.M).group(1).split()
     for flag in ("--workflow-profile", "--configfile"):
         assert (REPO / command[command.index(flag) + 1]).exists(), flag
+
+
+def test_the_status_command_check_reads_what_sacct_answers(tmp_path, monkeypatch):
+    """rpa.workflow.cluster.status_command_problem with a real ``sacct`` executable on PATH answering as a cluster
+    without accounting storage does, and as one with it: refused only for the SLURM executor asking sacct there."""
+    from rpa.workflow.cluster import status_command_problem
+
+    sacct = tmp_path / "sacct"
+    sacct.write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    sacct.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    problem = status_command_problem("slurm", "sacct")
+    assert problem and "--slurm-status-command squeue" in problem and "\n" not in problem
+    assert status_command_problem("slurm", "squeue") is None and status_command_problem("local", "sacct") is None
+    sacct.write_text("#!/bin/sh\nexit 0\n")  # accounting on: nothing to refuse
+    assert status_command_problem("slurm", "sacct") is None

@@ -308,3 +308,18 @@ def test_every_gpu_study_job_is_accepted_by_sbatch_test_only_on_the_modelled_gpu
     stock = {**job, "resources": {k: v for k, v in job["resources"].items() if k not in ("tasks_per_gpu", "nodes")}}
     accepted, answer = test_only(sbatch_line(stock, workdir=str(REPO)))
     assert not accepted and "Requested node configuration is not available" in answer, answer
+
+
+def test_a_status_command_that_cannot_see_a_job_end_is_refused_before_any_submission(slurm_cluster, tmp_path):
+    """Issue 73: with sacct installed and accounting storage disabled (this cluster), the plugin's default status
+    command made Snakemake wait forever for a finished job. The workflow refuses it in one line before submitting
+    anything, naming the flag to set."""
+    results = tmp_path / "r"
+    before = {j["id"] for j in _squeue(slurm_cluster)}
+    proc = _snakemake([str(results / "parity/tiny-qwen3.json"), "--executor", "slurm", "--workflow-profile",
+                       "experiments/profiles/slurm", "--jobs", "1", "--configfile", "experiments/toys.yaml",
+                       "--config", f"results={results}"], slurm_cluster, timeout=300)
+    assert proc.returncode != 0, tail(proc)
+    assert "rpa: error: the SLURM plugin would ask sacct" in proc.stderr + proc.stdout, tail(proc)
+    assert "--slurm-status-command squeue" in proc.stderr + proc.stdout
+    assert {j["id"] for j in _squeue(slurm_cluster)} == before and not results.exists()  # nothing submitted or run
