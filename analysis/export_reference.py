@@ -208,8 +208,8 @@ def check_not_fewer(out: Path, stage: Path, replaced: list[str], allow_fewer: bo
     """Refuse to replace a folder of the reference by one with fewer finished results (an export of a results folder
     holding 2 of a grid's 24 runs over the complete reference), unless ``allow_fewer``; the lines saying what such
     an export drops."""
-    fewer = [(rel, finished_results(out / rel), finished_results(stage / rel)) for rel in replaced
-             if finished_results(stage / rel) < finished_results(out / rel)]
+    counted = [(rel, finished_results(out / rel), finished_results(stage / rel)) for rel in replaced]
+    fewer = [(rel, had, has) for rel, had, has in counted if has < had]
     said = [f"export: {out / rel} had {had} finished results, now {has}" for rel, had, has in fewer]
     if fewer and not allow_fewer:
         rel, had, has = fewer[0]
