@@ -1,12 +1,10 @@
 """The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper``.
 
-Writes ``claims.tex`` (the study's label, the commit the runs came from, the collapse rule as
-the runs were judged by it -- written by :func:`rpa.train.collapse.rule_text` from the thresholds in
-the runs' ``config.json``, one paragraph per distinct set of thresholds -- and, computed from
-the result tables, which claims of the study reproduced at this scale, measured offline and in
-training; ``\\findings`` and ``\\abstractresults``: what holds at this scale, what does not and
-what could not be tested, the miniature's sensitivity to a collapse included; ``\\commits``:
-every commit the results came from, by part) and, where the
+Writes ``front.tex`` (the abstract and the claims table, :mod:`analysis.paper_front`), ``claims.tex`` (the
+study's label, the commit the runs came from, the collapse rule as the runs were judged by it -- written by
+:func:`rpa.train.collapse.rule_text` from the thresholds in the runs' ``config.json``, one paragraph per distinct
+set of thresholds -- the miniature's mismatch claims and sensitivity; ``\\commits``: every commit the results
+came from, by part), ``probe_section.tex`` where main-job references are given (``--probe-results``) and, where the
 positive control ran (in ``R`` or in ``--dose-results``: the dose grid and the study may live
 in different results directories), ``dose_table.tex``; then builds ``paper/main.tex`` with ``latexmk``
 (searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
@@ -26,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from analysis.paper_claims import dose_parts, real_model_finding, write_claims  # noqa: F401
+from analysis.paper_claims import dose_parts, write_claims  # noqa: F401
+from analysis.paper_probe import probe_section
 from analysis.paper_provenance import dose_rule, study_rule  # noqa: F401
 from analysis.paper_search import precision_section, real_search_section, search_section
 from analysis.refusal import run
@@ -71,10 +70,14 @@ def main() -> None:
                         help="results directory of the real-model collapse search (a section when it holds one)")
     parser.add_argument("--precision-results", type=Path, default=None,
                         help="results directory of the precision x mismatch grid (a section when it holds one)")
+    parser.add_argument("--probe-results", type=Path, action="append", default=[],
+                        help="a main-job results directory whose SmolLM2 probe the paper reads (one per CPU type; "
+                             "repeat the option for each)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_claims(args.results, args.out_dir, args.dose_results, args.search_results, args.real_search_results,
-                 args.precision_results)
+                 args.precision_results, args.probe_results)
+    probe_section(args.probe_results, args.out_dir)
     search_section(args.search_results, args.out_dir)
     real_search_section(args.real_search_results, args.out_dir)
     precision_section(args.precision_results, args.out_dir)

@@ -46,7 +46,7 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                         "eligible", "chosen") if c in table]
     figures = search_results / "figures"
     rule = pilot["rule"]
-    parts = ["\\section{A natural collapse? The search on CPU}",
+    parts = ["\\section{A natural collapse? The search on CPU}\\label{sec:search}",
              escape("Stock BF16 GRPO is run where mismatch is larger than in the miniature: deeper tiny models, the "
                     "walk task (six equally rewarded continuations per position, so a best policy need not be "
                     "deterministic; the entropy column below shows what GRPO made of it), "
@@ -145,6 +145,15 @@ def arms_text(values: dict[str, float]) -> str:
 def contrast_text(contrast: dict[str, float]) -> str:
     """A contrast's weights as the paper writes them: ``+1 trainer-fp32 -1 fp32``."""
     return " ".join(f"{w:+g} {arm}" for arm, w in contrast.items())
+
+
+def contrast_words(contrast: dict[str, float]) -> str:
+    """A contrast as a difference in words: ``trainer-fp32 minus fp32``; arms of equal weight on one side are
+    their mean (``none, all and self-sampled (mean) minus fp32``)."""
+    plus = [arm for arm, w in contrast.items() if w > 0]
+    minus = [arm for arm, w in contrast.items() if w < 0]
+    side = lambda arms: arms[0] if len(arms) == 1 else ", ".join(arms[:-1]) + f" and {arms[-1]} (mean)"  # noqa: E731
+    return f"{side(plus)} minus {side(minus)}" if plus and minus else contrast_text(contrast)
 
 
 def unfinished_runs(grid: dict) -> int | None:
@@ -254,7 +263,7 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
     table = pd.read_csv(tables / "search_pilot.csv")
     cols = [c for c in ("lr", "length", "updates", "control_gain", "control_stable", "reference_step1_mismatch",
                         "reference_step1_entropy", "eligible", "chosen") if c in table]
-    parts = ["\\section{A real pretrained model: does stock BF16 collapse on SmolLM2?}",
+    parts = ["\\section{A real pretrained model: does stock BF16 collapse on SmolLM2?}\\label{sec:realsearch}",
              escape(f"The search on SmolLM2-135M-Instruct (2-digit sums after three solved ones; PPO's old "
                     f"log-probabilities from the sampler, IS off, a constant learning rate, vLLM compiled). The pilot's "
                     f"rule, written in its config before it ran: {_pilot_rule_text(pilot['rule'])}. "
@@ -500,7 +509,7 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
         path.unlink(missing_ok=True)
         return None
     grid = json.loads(grid_json.read_text())
-    parts = ["\\section{Precision or mismatch? A grid on SmolLM2}",
+    parts = ["\\section{Precision or mismatch? A grid on SmolLM2}\\label{sec:precision}",
              escape("The real-model grid's BF16 arms learned less than FP32 and all carried the same mismatch. This "
                     "grid crosses the two at its rung: FP32 on both sides (fp32), an FP32 trainer sampled by BF16 vLLM "
                     "(trainer-fp32) and stock BF16 (none), 8 seeds each, on one CPU type; its questions, effects and "
@@ -513,13 +522,12 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
     effects, alpha = grid["effects"], grid["questions"]["alpha"]
     parts.append(escape(grid["decision"]["statement"]))
     parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
-    rows = [{"effect": name, "contrast": contrast_text(e["contrast"]),
+    rows = [{"question": e["question"], "difference": contrast_words(e["contrast"]),
              "pairs": e["pairs"], "mean": e["mean_difference"], "below 0": f"{e['a_lower']} of {e['pairs']}",
              "signed-rank p": e["signed_rank_p"], "HL shift": e["shift"]["estimate"],
              "exact interval": f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g} "
                                f"({100 * e['shift']['coverage']:.1f}%)",
              "reading": effect_reading(e, alpha)} for name, e in effects["effects"].items()]
-    parts.append(escape("; ".join(f"{name}: {e['question']}" for name, e in effects["effects"].items())))
     parts.append(booktabs(pd.DataFrame(rows), f"The precision grid's pre-registered effects on the learning gain "
                           f"(reward AUC minus the run's own step-1 training reward), each contrast paired by seed: "
                           f"exact two-sided signed-rank test at alpha {alpha}, Hodges-Lehmann shift with the exact "
@@ -528,10 +536,11 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
     own = arm_mismatch(grid)
     if own:
         parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + arms_text(own)
-            + ". The FP32-trainer cell's mismatch is not stock BF16's kind: its engine holds the BF16 rounding of the "
-            "FP32 weights, so updates below half a BF16 ulp move the trainer's policy and not the sampler's, and the "
-            "gap grows with training (the ratio to stock BF16's below); stock BF16's two sides hold the same weights "
-            "and differ in where they round. An effect of that cell against fp32 is the cost of this kind and size "
+            + ". The FP32-trainer cell's mismatch is not stock BF16's kind: its trainer computes on the unrounded FP32 "
+            "weights while its engine holds their BF16 rounding, so the two sides differ in their weights as well as "
+            "in where they round (the gap jumps at the first weight sync and then stays about flat); stock BF16's "
+            "trainer computes on the same rounding as its engine, updates reaching both sides when they cross a "
+            "rounding boundary, and its two sides differ only in where they round. An effect of that cell against fp32 is the cost of this kind and size "
             "of mismatch; whether stock BF16's own mismatch costs it learning needs a cell with BF16 arithmetic and no "
             "mismatch, which did not qualify on this CPU."))
     parts += _stage_notes(grid)

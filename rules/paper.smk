@@ -14,6 +14,7 @@ def paper_inputs(wildcards=None):
         inputs += [f"{config['precision_results']}/tables/search_grid.json"]
     if config["dose_results"]:
         inputs += [f"{config['dose_results']}/tables/dose_runs.csv", f"{config['dose_results']}/figures/dose_response.png"]
+    inputs += [f"{probe}/tables/probe.csv" for probe in config["probe_results"]]
     return inputs
 
 
@@ -33,7 +34,8 @@ rule paper:
         search=f"--search-results {config['search_results']}" if config["search_results"] else "",
         real_search=f"--real-search-results {config['real_search_results']}" if config["real_search_results"] else "",
         precision=f"--precision-results {config['precision_results']}" if config["precision_results"] else "",
+        probes=" ".join(f"--probe-results {probe}" for probe in config["probe_results"]),
     shell:
         "python -m analysis.paper --results {R} --out-dir {R}/paper {params.dose} {params.search} {params.real_search} "
-        "{params.precision} "
+        "{params.precision} {params.probes} "
         "> {log} 2>&1"

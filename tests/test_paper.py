@@ -165,10 +165,18 @@ def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
                    "--dose-results", str(DOSE), "--search-results", str(REPO / "results/reference/collapse-cpu"),
                    "--real-search-results", str(REPO / "results/reference/collapse-smollm2"),
-                   "--precision-results", str(REPO / "results/reference/precision-smollm2")], timeout=600)
+                   "--precision-results", str(REPO / "results/reference/precision-smollm2"),
+                   "--probe-results", str(REPO / "results/reference/main"),
+                   "--probe-results", str(REPO / "results/reference/main-xeon-amx")], timeout=600)
     assert proc.returncode == 0, tail(proc)
     assert (res / "paper/real_search_section.tex").exists()  # both search sections are on the page
     assert (res / "paper/precision_section.tex").exists()  # and the precision grid's
+    assert (res / "paper/probe_section.tex").exists()  # and the real model's probe, both CPU types
+    aux = (res / "paper/main.aux").read_text()
+    page = int(re.search(r"\\newlabel\{tab:claims\}\{\{\d+\}\{(\d+)\}", aux).group(1))
+    assert page <= 2, f"the claims table is on page {page}"  # issue 71: on the first two pages
+    log = (res / "paper/main.log").read_text(errors="replace")
+    assert "There were undefined references" not in log and "LaTeX Warning: Reference `" not in log  # every § exists
     log = (res / "paper/main.log").read_text(errors="replace")
     overfull = [line for line in log.splitlines() if line.startswith(("Overfull \\hbox", "Overfull \\vbox", "! "))]
     assert not overfull, "\n".join(overfull)  # \\vbox: a float taller than the page runs over its foot
@@ -307,7 +315,8 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     assert "\\section{Precision or mismatch?" in text and "tab:preceffects" in text and "tab:precquestions" in text
     alpha = grid["questions"]["alpha"]
     for name, e in grid["effects"]["effects"].items():
-        row = next(line for line in text.splitlines() if line.lstrip().startswith(name + " "))
+        row = next(line for line in text.splitlines() if line.lstrip().startswith(e["question"][:40]))
+        assert name not in row  # the effect in words, never its identifier
         assert f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g}" in row and effect_reading(e, alpha) in row, row
     assert (tmp_path / "precision_search_grid.png").exists()
     assert all(f"{g['arm']} {g['pre_collapse_mismatch']:.3g}" in text for g in grid["groups"])
@@ -329,77 +338,67 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     from analysis.paper import write_claims
 
     claims = write_claims(REFERENCE, tmp_path, DOSE, None, None, committed.parents[1]).read_text().replace("\\_", "_")
-    findings = claims.split("\\newcommand{\\findings}")[1].split("\\newcommand")[0]
-    assert "Precision or mismatch" in findings and "On a real pretrained model" in findings
-    assert all(f"{name} (" in findings and f"p = {e['signed_rank_p']:.2g}): {effect_reading(e, alpha)}" in findings
-               for name, e in grid["effects"]["effects"].items())
     assert "precision grid grid (" in claims  # its runs' commits are listed with the others
+    front = (tmp_path / "front.tex").read_text().replace("\\_", "_")
+    answers = {"below 0": "a loss", "above 0": "a gain", "not resolved": "not resolved"}
+    for e in grid["effects"]["effects"].values():  # each effect a row of the claims table, answered by its reading
+        row = next(line for line in front.splitlines() if line.startswith(e["question"][:40]))
+        s = e["shift"]
+        assert f"{s['estimate']:+.3f} \\mbox{{[{s['low']:+.3f}, {s['high']:+.3f}]}}" in row, row
+        assert f"\\textbf{{{answers[effect_reading(e, alpha)]}}}" in row, row
 
 
-def test_the_real_model_grid_reaches_the_abstract_as_its_tests_answer_it(tmp_path):
-    """Section 1 and the abstract carry the real-model grid: while it is incomplete, that no question is
-    answered; once complete, each arm's collapse count, each question's answer with its Fisher p, and the
-    paired reward-AUC shift with its exact interval -- the numbers of the grid's own table."""
-    from analysis.paper import real_model_finding, write_claims
+def _front_text(tmp_path, **given):
+    from analysis.paper_front import abstract, claims_rows, gather
+    from analysis.runs import MANIFEST, read_manifest
 
-    assert real_model_finding(None) is None and real_model_finding(tmp_path) is None
-    res = tmp_path / "real"
-    (res / "tables").mkdir(parents=True)
-    committed = json.loads((_committed(REPO / "results/reference/collapse-smollm2") / "tables/search_grid.json")
-                           .read_text())
-    (res / "tables/search_grid.json").write_text(json.dumps(committed))
-    text = real_model_finding(res)
-    if committed["decision"]["outcome"] == "incomplete":
-        assert "has not finished" in text and "no question" in text
-        committed["decision"]["outcome"] = "does not collapse naturally"  # as a complete grid's summary says
-        (res / "tables/search_grid.json").write_text(json.dumps(committed))
-        text = real_model_finding(res)
-    qs = committed["questions"]["questions"]
-    for name, q in qs.items():
-        assert f"{name} (does {q['a']} collapse more often than {q['b']}?) {q['answer']}" in text
-        assert f"{q['a']} {q['a_collapsed'][0]}/{q['a_collapsed'][1]}" in text
-        shift = q["reward_auc"]["shift"]
-        assert f"{q['a']} - {q['b']} {shift['estimate']:+.3f} ({100 * shift['coverage']:.1f}% interval" in text
-    for group in committed["groups"]:  # an arm meant as a control is read beside its own mismatch
-        # one value, one rounding (3 digits), as the README and the grid's tables quote it (issue 55)
-        assert f"{group['arm']} {group['pre_collapse_mismatch']:.3g}" in text.split("in-training mismatch")[1]
-    if committed.get("post_hoc"):  # the comparisons written after the grid are there, and labelled post hoc
-        assert "Post hoc (not pre-registered" in text
-    _committed(REFERENCE / "study/manifest.json")
-    claims = write_claims(REFERENCE, tmp_path, DOSE, None, res).read_text()
-    abstract = claims.split("\\newcommand{\\abstractresults}")[1].split("\\newcommand")[0]
-    assert "On a real pretrained model" in claims and "SmolLM2-135M-Instruct" in abstract
-    assert "On a real pretrained model" not in write_claims(REFERENCE, tmp_path, DOSE).read_text()
+    manifest = read_manifest(_committed(REFERENCE / "study" / MANIFEST))
+    front = gather(REFERENCE, manifest, DOSE, **given)
+    return front, abstract(front), claims_rows(front)
 
 
-def test_claims_state_the_findings_both_mismatch_measurements_and_every_commit(tmp_path):
-    """Section 1 and the abstract state what the committed results show; each mismatch claim
-    gives the offline probe and the in-training result; the miniature's insensitivity to a
-    collapse is said; every commit the results came from is named."""
+def test_the_real_model_grid_reaches_the_front_once_with_its_post_hoc_label(tmp_path):
+    """The real-model grid reaches the abstract and the claims table as one number -- the post-hoc learning-gain
+    shift of the BF16 arms against FP32 with its exact interval, labelled post hoc -- read from the grid's own
+    table; its per-question detail stays in its section; without the grid neither says anything of it."""
+    committed = _committed(REPO / "results/reference/collapse-smollm2")
+    grid = json.loads((committed / "tables/search_grid.json").read_text())
+    gain = next(c for c in grid["post_hoc"]["comparisons"].values() if c["outcome"] == "learning_gain")
+    s = gain["shift"]
+    quoted = f"{s['estimate']:+.3f} [{s['low']:+.3f}, {s['high']:+.3f}]"
+    _, text, rows = _front_text(tmp_path, real_search_results=committed)
+    assert f"learning gain {quoted}, post hoc" in text
+    row = next(r for r in rows if r.source == "this suite, post hoc")
+    assert quoted in row.number and row.verdict == ("holds" if s["high"] < 0 else "not resolved")
+    assert "Q1" not in text and "Fisher" not in text  # the questions' detail is the section's
+    _, text, rows = _front_text(tmp_path)
+    assert "post hoc" not in text and all(r.source != "this suite, post hoc" for r in rows)
+
+
+def test_claims_state_the_miniatures_findings_once_and_every_commit(tmp_path):
+    """The miniature's section states both mismatch measurements of its two claims (offline and in training) and
+    its insensitivity to a collapse, once; every commit the results came from is named."""
     from analysis.paper import write_claims
 
     _committed(REFERENCE / "study/manifest.json")
     write_claims(REFERENCE, tmp_path, DOSE, _committed(SEARCH))
     claims = (tmp_path / "claims.tex").read_text()
-    items = claims.split("\\newcommand{\\claims}")[1]
-    assert "offline (probe, identical tokens" in items and "In training (per seed" in items
-    assert "on 3 of 4 models" in items and "lower with an interval below zero on 2 of 4 models" in items
-    assert "could not have seen one" in items and "0 of 54 runs collapsed" in items
-    findings = _macro(claims, "findings")
-    for head in ("What holds at this scale", "What does not", "What could not be tested"):
-        assert head in findings
-    assert "on 3 of 4 miniature sizes offline" in findings and "on 2 of 4 during training" in findings
-    assert "30\\% with probability 23\\%, 50\\% with probability 68\\%" in findings
-    assert _macro(claims, "abstractresults") and _macro(claims, "ruleversion") == "v4"
+    note = _macro(claims, "miniaturenote")
+    assert "Aligning all three regions lowers the mismatch with a 95\\% interval below zero on 3 of 4 sizes offline " \
+           "and on 2 of 4 during training" in note
+    assert "Aligning RoPE alone" in note and "could not have seen one" in note and "0 of 54 runs collapsed" in note
+    assert _macro(claims, "ruleversion") == "v4" and "\\findings" not in claims and "\\claims" not in claims
     commits = _macro(claims, "commits")
     for commit in ("08dde42250", "84bf996c39", "1ee31be45b", "1fbc4a1bb4", "3721a5a8c8", "45a051cd20", "bcad31cda7"):
         assert commit in commits
 
 
-def test_main_tex_states_findings_and_places_every_float_where_it_is_input():
+def test_main_tex_puts_the_front_first_and_places_every_float_where_it_is_input():
     tex = re.sub(r"%.*", "", (REPO / "paper/main.tex").read_text())
-    assert "What reproduced" not in tex and "\\section{Findings}" in tex and "\\findings" in tex
-    assert "\\abstractresults" in tex.split("\\end{abstract}")[0] and "\\commits" in tex
+    front = tex.split("\\section{Setup}")[0]
+    assert "\\abstracttext" in tex.split("\\end{abstract}")[0] and "\\claimstable" in front
+    assert "\\papersubtitle" in tex.split("\\begin{document}")[0] and "\\commits" in tex
+    assert "\\findings" not in tex and "\\abstractresults" not in tex  # each finding once: the front, then the sections
     assert "study_heatmap" not in tex  # one nonzero cell: the collapse table says it
     assert "\\begin{figure}[H]" in tex and "[tbp]" not in tex and "[htbp]" not in tex
 

@@ -366,7 +366,7 @@ def test_the_committed_probe_pipeline_regenerates_and_its_export_round_trips(tmp
 @pytest.mark.parametrize("name", ["main", "main-xeon-amx"])
 def test_each_main_reference_names_its_cpu_type_and_quotes_its_own_probe(name):
     """A main-job reference is one CPU type's (issue 55): ``machine.json`` names it, and the numbers its
-    README and the top README quote for it are its own probe table's (the AMD and the Xeon references'
+    README and docs/findings.md quote for it are its own probe table's (the AMD and the Xeon references'
     BF16 numbers differ)."""
     import json
     import re
@@ -379,7 +379,7 @@ def test_each_main_reference_names_its_cpu_type_and_quotes_its_own_probe(name):
     probe = pd.read_csv(ref / "tables/probe.csv")
     smol = probe[probe.model == "smollm2"].set_index("config")
     prose = lambda path: re.sub(r"\s+", " ", path.read_text()).replace("\u2212", "-")  # noqa: E731
-    readme, top = prose(ref / "README.md"), prose(REPO / "README.md")
+    readme, top = prose(ref / "README.md"), prose(REPO / "docs/findings.md")  # the README's findings in full
     change = lambda c: "{:+.1f}% [{:+.1f}, {:+.1f}]".format(  # noqa: E731
         *(100 * smol.loc[c, k] for k in ("mean_abs_dlogp_change", "mean_abs_dlogp_low", "mean_abs_dlogp_high")))
     for config in ("all", "all+attention-fp32"):

@@ -176,7 +176,7 @@ def _prose(path) -> str:
 
 
 def test_every_number_quoted_for_the_real_model_grid_is_the_committed_tables():
-    """The numbers the README's outcome paragraph, docs/searches.md, docs/design.md and the reference
+    """The numbers the README's long findings (docs/findings.md), docs/searches.md, docs/design.md and the reference
     README quote for the real-model grid are formatted from the committed decision table (issue 55): each
     question's Hodges-Lehmann shift with its own interval, the post-hoc comparisons labelled post hoc, the
     step-1 rewards and reward gains, the greedy evaluation as one measurement per arm, the entropy of
@@ -201,7 +201,7 @@ def test_every_number_quoted_for_the_real_model_grid_is_the_committed_tables():
               "post hoc"]
     bf16_mismatch = span([own[a] for a in bf16], 4)
     expect = {
-        "README.md": [interval["Q1"], interval["Q2"], interval["Q4"],
+        "docs/findings.md": [interval["Q1"], interval["Q2"], interval["Q4"],
                       f"{own['self-sampled']:.3g}", bf16_mismatch,
                       f"{arms['fp32']['reward_gain']:.3f} vs {span([arms[a]['reward_gain'] for a in bf16])}",
                       "{}/{} vs {}/{}".format(arms["fp32"]["first_eval_solved"][0], arms["fp32"]["eval_prompts"],
@@ -256,7 +256,7 @@ def test_every_number_quoted_for_the_precision_grid_is_the_committed_tables(caps
     p = {n: f"p = {e['signed_rank_p']:.2g}" for n, e in effects["effects"].items()}
     own = {g["arm"]: f"{g['pre_collapse_mismatch']:.3g}" for g in grid["groups"]}
     every = [*interval.values(), *p.values()]
-    expect = {"README.md": every,
+    expect = {"docs/findings.md": every,
               "docs/searches.md": [*every, *own.values(), f"{100 * effects['effects']['bf16_vs_fp32']['shift']['coverage']:.1f}%"],
               "docs/design.md": [interval["mismatch_at_fp32"], interval["bf16_vs_fp32"]],
               "results/reference/precision-smollm2/README.md": [*interval.values(), *own.values()]}

@@ -360,7 +360,8 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
                    "--dose-results", str(dose)], timeout=600)
     claims = (res / "paper/claims.tex").read_text()
-    assert "\\newcommand{\\claims}" in claims and "RoPE alone" in claims
+    front = (res / "paper/front.tex").read_text()
+    assert "\\newcommand{\\claimstable}" in front and "RoPE alone suffices" in front and "RoPE alone" in claims
     assert "half of the runs collapse at mismatch" in claims and (res / "paper/dose_table.tex").exists()
     if shutil.which("latexmk") and shutil.which("pdflatex"):
         assert proc.returncode == 0, tail(proc)
