@@ -122,12 +122,17 @@ def _questions_table(grid: dict, what: str = "The real-model grid's", label: str
                                         if shift else None),
                      "answer": q["answer"]})
     alpha = (grid.get("questions") or {}).get("alpha")
-    text = "; ".join(f"{name}: {q['question']}" for name, q in qs.items())
-    return [escape(text), booktabs(pd.DataFrame(rows), f"{what} questions (collapse counts: finished "
+    return [_description({name: q["question"] for name, q in qs.items()}), booktabs(pd.DataFrame(rows), f"{what} questions (collapse counts: finished "
                                    f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
                                    f"with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
                                    f"the exact interval that inverts it; zero differences are dropped from the test "
                                    f"and its interval alike)", label, placement="H")]
+
+
+def _description(items: dict[str, str]) -> str:
+    """Named items (a grid's questions, its effects) as a LaTeX description list, one line each."""
+    return ("\\begin{description}" + "".join(f"\\item[{escape(k)}] {escape(v)}" for k, v in items.items())
+            + "\\end{description}")
 
 
 def arm_mismatch(grid: dict) -> dict[str, float]:
@@ -255,7 +260,8 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
     the trainer's own decode-vs-recompute gap that decides what the self-sampled control can show --
     from ``<search_results>/tables/search_*.{json,csv}`` and ``<search_results>/decode/*/summary.json``;
     nothing where no search ran."""
-    path = out_dir / "real_search_section.tex"
+    path, appendix = out_dir / "real_search_section.tex", out_dir / "real_search_appendix.tex"
+    appendix.unlink(missing_ok=True)  # written again below where the grid has finished runs
     pilot = _search_pilot(search_results, path)
     if pilot is None:
         return None
@@ -290,7 +296,12 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
         if grid["decision"].get("outcome") == "does not collapse naturally":
             parts.append(escape(_envelope_text(grid.get("envelope") or {})))
         parts += _stage_groups(grid, "The real-model grid's finished runs per arm", "tab:realgrid")
-        parts += _real_runs_table(tables / "search_grid.csv")
+        every = _real_runs_table(tables / "search_grid.csv")
+        if every:  # the per-run detail is the appendix's
+            parts.append(escape("Every finished run, its verdict, rewards, held-out accuracy, entropy and mismatch: "
+                                "Appendix ") + "\\ref{sec:realruns}.")
+            write_text(appendix, "\n\n".join(["\\section{The real-model grid, every run}\\label{sec:realruns}",
+                                               *every]) + "\n")
         parts += _copied_figure(figures / "search_grid.png", out_dir, "real_", "The real-model grid: reward (top) and "
                                 "in-training mismatch (bottom, log scale) per logged step; line: mean over the finished "
                                 "seeds, band: their range.", "fig:realgrid")
@@ -522,7 +533,8 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
     effects, alpha = grid["effects"], grid["questions"]["alpha"]
     parts.append(escape(grid["decision"]["statement"]))
     parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
-    rows = [{"question": e["question"], "difference": contrast_words(e["contrast"]),
+    parts.append(_description({contrast_words(e["contrast"]): e["question"] for e in effects["effects"].values()}))
+    rows = [{"difference": contrast_words(e["contrast"]),
              "pairs": e["pairs"], "mean": e["mean_difference"], "below 0": f"{e['a_lower']} of {e['pairs']}",
              "signed-rank p": e["signed_rank_p"], "HL shift": e["shift"]["estimate"],
              "exact interval": f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g} "

@@ -286,6 +286,8 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
         assert "tab:realquestions" in text and all(q["answer"] in text for q in questions.values())
         outcome = json.loads(grid.read_text())["decision"]["outcome"]
         assert ("The envelope explored by the" in text) == (outcome == "does not collapse naturally")
+        appendix = (tmp_path / "real_search_appendix.tex").read_text()  # every run: the appendix's, named in the text
+        assert "tab:realruns" in appendix and "tab:realruns" not in text and "\\ref{sec:realruns}" in text
     else:
         assert "The grid has not run yet" in text
     if not (res / "decode/none/summary.json").exists():  # a decode probe as rpa probe writes its summary
@@ -299,6 +301,7 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
     text = real_search_section(res, tmp_path).read_text()
     assert "tab:realdecode" in text and f"{own:.3g}" in text and f"(ratio {own / s['mean_abs_dlogp']:.2f})" in text
     assert real_search_section(None, tmp_path) is None and not (tmp_path / "real_search_section.tex").exists()
+    assert not (tmp_path / "real_search_appendix.tex").exists()  # none left over from an earlier build
 
 
 def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_grid(tmp_path):
@@ -307,7 +310,7 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     config's alpha), each arm's mismatch, the figure; an unfinished grid is said to be unfinished and not read."""
     import shutil
 
-    from analysis.paper_search import effect_reading, precision_section
+    from analysis.paper_search import contrast_words, effect_reading, precision_section
 
     committed = _committed(REPO / "results/reference/precision-smollm2/tables/search_grid.json")
     grid = json.loads(committed.read_text())
@@ -315,8 +318,8 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     assert "\\section{Precision or mismatch?" in text and "tab:preceffects" in text and "tab:precquestions" in text
     alpha = grid["questions"]["alpha"]
     for name, e in grid["effects"]["effects"].items():
-        row = next(line for line in text.splitlines() if line.lstrip().startswith(e["question"][:40]))
-        assert name not in row  # the effect in words, never its identifier
+        row = next(line for line in text.splitlines() if line.lstrip().startswith(contrast_words(e["contrast"]) + " "))
+        assert name not in row and f"\\item[{contrast_words(e['contrast'])}] {e['question']}" in text  # in words
         assert f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g}" in row and effect_reading(e, alpha) in row, row
     assert (tmp_path / "precision_search_grid.png").exists()
     assert all(f"{g['arm']} {g['pre_collapse_mismatch']:.3g}" in text for g in grid["groups"])
