@@ -658,6 +658,33 @@ def paired_contrast(done: pd.DataFrame, curves: pd.DataFrame, c: dict, arm: str,
     return entry
 
 
+def leave_one_out(done: pd.DataFrame, c: dict, arm: str, confidence: float, alpha: float,
+                  rung: str | None = None) -> dict:
+    """How far a paired contrast (:func:`paired_contrast`) rests on any one seed: computed again with each seed
+    left out -- per seed its signed-rank p and interval, the range of the p, and the seeds whose removal changes
+    the reading at ``alpha`` (interval and p, as :func:`paired_reading` reads them)."""
+    full = paired_reading(paired_contrast(done, pd.DataFrame(), c, arm, confidence, rung), alpha)
+    out: dict = {"reading": full, "without": {}}
+    for seed in sorted(done["seed"].unique()):
+        entry = paired_contrast(done[done["seed"] != seed], pd.DataFrame(), c, arm, confidence, rung)
+        shift = entry.get("shift") or {}
+        out["without"][int(seed)] = {"p": entry.get("signed_rank_p"), "low": shift.get("low"),
+                                     "high": shift.get("high"), "reading": paired_reading(entry, alpha)}
+    ps = [w["p"] for w in out["without"].values() if w["p"] is not None]
+    out["p_range"] = [min(ps), max(ps)] if ps else None
+    out["changes_reading"] = [s for s, w in out["without"].items() if w["reading"] != full]
+    return out
+
+
+def paired_reading(entry: dict, alpha: float) -> str:
+    """A paired contrast read at ``alpha``: ``below 0`` (its interval's upper end < 0 and p < alpha), ``above 0``
+    (the lower end > 0 and p < alpha), else ``not resolved``."""
+    shift, p = entry.get("shift") or {}, entry.get("signed_rank_p")
+    if not shift or p is None or p >= alpha:
+        return "not resolved"
+    return "below 0" if shift["high"] < 0 else "above 0" if shift["low"] > 0 else "not resolved"
+
+
 def effects(runs: pd.DataFrame, curves: pd.DataFrame, rule: dict) -> dict:
     """The pre-registered paired effects of a factorial grid (``decision.effects``: each a ``contrast`` of
     arms on the rule's ``outcome``), computed as :func:`paired_contrast`; ``incomplete`` while any run is

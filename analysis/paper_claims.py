@@ -17,6 +17,7 @@ from analysis.latex import booktabs, escape, readable
 from analysis.paper_provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
 from analysis.paper_front import gather, write_front
 from analysis.runs import MANIFEST, read_manifest
+from rpa.workflow.paper import by_kind, first
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 
@@ -92,21 +93,20 @@ def miniature_note(results: Path, manifest: dict, dose_results: Path | None = No
     return f"{text} {sensitivity}".strip()
 
 
-def write_claims(results: Path, out_dir: Path, dose_results: Path | None = None,
-                 search_results: Path | None = None, real_search_results: Path | None = None,
-                 precision_results: Path | None = None, probe_results: list[Path] | None = None) -> Path:
+def write_claims(results: Path, out_dir: Path, sections: dict[str, list[Path]] | None = None) -> Path:
     """``claims.tex`` (the study's label, rule, commits, setup and miniature notes) and, beside it, ``front.tex``
-    (:mod:`analysis.paper_front`: the abstract and the claims table)."""
+    (:mod:`analysis.paper_front`: the abstract and the claims table), from the study's ``results`` and the
+    paper's further ``sections`` (kind -> directories, :func:`rpa.workflow.paper.by_kind`)."""
+    sections = by_kind([]) | (sections or {})
     manifest = read_manifest(results / "study" / MANIFEST)
-    front = gather(results, manifest, dose_results, search_results, real_search_results, precision_results,
-                   probe_results)
-    write_front(out_dir, front)
+    dose_results = first(sections, "dose")
+    write_front(out_dir, gather(results, manifest, sections))
     dose = dose_parts(dose_results or results, out_dir)
     rule, used = study_rule(results, manifest)
     setup = (f"Models: {', '.join(manifest['models'])}; arms: {', '.join(manifest['arms'])}; seeds: "
              f"{', '.join(map(str, manifest['seeds']))}; {len(manifest['cells'])} runs."
              + ("" if "fp32" in manifest["arms"] else " No FP32 (negative-control) training arm ran in these results."))
-    commits = provenance(results, dose_results, search_results, real_search_results, precision_results)
+    commits = provenance(results, sections)
     text = [f"\\newcommand{{\\studylabel}}{{{escape(manifest['label'])}}}",
             f"\\newcommand{{\\resultsdir}}{{{escape(str(results))}}}",
             f"\\newcommand{{\\commit}}{{{escape(commit_of(results))}}}",

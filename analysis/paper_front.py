@@ -24,6 +24,7 @@ from analysis.dose_stats import anchor_positions, thresholds
 from analysis.latex import escape
 from analysis.paper_search import effect_reading, unfinished_runs
 from rpa.core.jsonfiles import write_text
+from rpa.workflow.paper import by_kind, first
 
 ABSTRACT_WORDS = 250
 ABSTRACT_NUMBERS = 25
@@ -127,11 +128,13 @@ def _decision(path: Path) -> tuple[int, int] | None:
     return (d["reference_collapsed"], d["reference_runs"]) if d.get("reference_runs") else None
 
 
-def gather(results: Path, manifest: dict, dose_results: Path | None = None, search_results: Path | None = None,
-           real_search_results: Path | None = None, precision_results: Path | None = None,
-           probe_results: list[Path] | None = None) -> Front:
-    """The front's numbers from the committed tables (the same files the sections print)."""
-    front = Front(probe=probe_facts(probe_results or []), miniature_label=manifest.get("label", ""),
+def gather(results: Path, manifest: dict, sections: dict[str, list[Path]] | None = None) -> Front:
+    """The front's numbers from the committed tables (the same files the sections print): the study's ``results``
+    and the paper's further ``sections`` (kind -> directories)."""
+    sections = by_kind([]) | (sections or {})
+    dose_results, search_results = first(sections, "dose"), first(sections, "search")
+    real_search_results, precision_results = first(sections, "real-search"), first(sections, "precision")
+    front = Front(probe=probe_facts(sections["probe"]), miniature_label=manifest.get("label", ""),
                   real_grids=sum(f is not None and (f / "tables" / "search_grid.json").exists()
                                  for f in (real_search_results, precision_results)))
     ref = manifest["reference_arm"]

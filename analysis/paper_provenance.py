@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis.runs import cell_labels, cells_by_folder, decode_probes, probe_results, run_config, run_summary
+from rpa.workflow.paper import SECTION_KINDS
 from rpa.train.collapse import CollapseThresholds, rule_text
 
 
@@ -118,25 +119,29 @@ def _commits_of(summaries) -> list[str]:
     return [c for c in _commits(summaries) if c != "unknown"]
 
 
-def provenance(results: Path, dose_results: Path | None = None, search_results: Path | None = None,
-               real_search_results: Path | None = None, precision_results: Path | None = None) -> str:
-    """Every commit the results in the paper came from, by part (each run's ``provenance``)."""
+def provenance(results: Path, sections: dict[str, list[Path]] | None = None) -> str:
+    """Every commit the results in the paper came from, by part (each run's ``provenance``): the study's
+    ``results`` and the paper's further ``sections`` (kind -> directories)."""
+    sections = sections or {}
     parts = [f"miniature runs {', '.join(_commits_of(_ended(results, 'study'))) or 'unknown'}"]
     probes = _commits_of(p.summary for p in probe_results(results))
     if probes:
         parts.append(f"its probes {', '.join(probes)}")
-    dose = _ended(dose_results or results, "dose")
+    dose_results = (sections.get("dose") or [results])[0]
+    dose = _ended(dose_results, "dose")
     if dose:
-        parts.append(f"positive control ({dose_results or results}) {', '.join(_commits_of(dose))}")
-    for name, folder in (("search", search_results), ("real-model search", real_search_results),
-                         ("precision grid", precision_results)):
-        if folder is None:
-            continue
-        for stage in ("pilot", "grid", "ablation", "lever"):
-            found = _commits_of(_ended(folder, "search", stage))
-            if found:
-                parts.append(f"{name} {stage} ({folder}) {', '.join(found)}")
-        probes = _commits_of(decode_probes(folder / "decode").values())
-        if probes:
-            parts.append(f"{name} decode probes ({folder}) {', '.join(probes)}")
+        parts.append(f"{SECTION_KINDS['dose'].what} ({dose_results}) {', '.join(_commits_of(dose))}")
+    for folder in sections.get("probe") or []:
+        found = _commits_of(p.summary for p in probe_results(folder))
+        parts.append(f"{SECTION_KINDS['probe'].what} ({folder}) {', '.join(found) or 'unknown'}")
+    for kind in ("search", "real-search", "precision"):
+        name = SECTION_KINDS[kind].what
+        for folder in sections.get(kind) or []:
+            for stage in ("pilot", "grid", "ablation", "lever"):
+                found = _commits_of(_ended(folder, "search", stage))
+                if found:
+                    parts.append(f"{name} {stage} ({folder}) {', '.join(found)}")
+            probes = _commits_of(decode_probes(folder / "decode").values())
+            if probes:
+                parts.append(f"{name} decode probes ({folder}) {', '.join(probes)}")
     return "; ".join(parts)

@@ -10,10 +10,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from analysis.collapse_stats import leave_one_out, paired_contrast, paired_reading
 from analysis.latex import booktabs, escape, readable
-from analysis.runs import decode_probes
+from analysis.runs import cells_by_folder, decode_probes
+from rpa.core.jsonfiles import read_jsonl
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 
@@ -71,7 +74,8 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                             ("Natural-collapse search: the grid's finished runs per group", "tab:searchgrid"),
                             (figures / "search_grid.png", "The natural-collapse search, grid: reward (top) and "
                              "in-training mismatch (bottom, log scale) per step, one column per learning rate; line: "
-                             "mean over the four seeds, band: their range.", "fig:searchgrid"))
+                             "mean over the four seeds, band: their range.", "fig:searchgrid"),
+                            entropy_tracking(search_results, "grid"))
     if decision.get("outcome") == "collapses naturally":
         parts.append(escape("The study's two claims are tested at the collapsing rung(s) by the ablation stage."))
     elif decision.get("outcome") == "does not collapse naturally":
@@ -88,7 +92,8 @@ def search_section(search_results: Path | None, out_dir: Path) -> Path | None:
                 ("Natural-collapse search: the lever stage per group", "tab:searchlever"),
                 (figures / "search_lever.png", "The natural-collapse search, lever stage (4 optimizer updates per "
                  "generated batch): reward (top) and in-training mismatch (bottom, log scale) per logged step; line: "
-                 "mean over the four seeds, band: their range.", "fig:searchlever"))
+                 "mean over the four seeds, band: their range.", "fig:searchlever"),
+                entropy_tracking(search_results, "lever"))
         else:
             parts.append(escape("The further lever (the config's lever stage) has not run yet."))
         parts.append(_claims_text(grid, lever))
@@ -319,11 +324,13 @@ def real_search_section(search_results: Path | None, out_dir: Path) -> Path | No
     return path
 
 
-def _stage_section(stage: dict, intro: str, table: tuple[str, str], figure: tuple[Path, str, str]) -> list[str]:
+def _stage_section(stage: dict, intro: str, table: tuple[str, str], figure: tuple[Path, str, str],
+                   tracking: dict[str, float] | None = None) -> list[str]:
     """A search stage's part of the section: ``intro`` and the stage's decision statement, its groups' table
-    (caption, label), its notes and its figure (path, caption, label)."""
-    return [escape(f"{intro}{stage['decision']['statement']}"), *_stage_groups(stage, *table), *_stage_notes(stage),
-            *_figure(*figure)]
+    (caption, label), its notes (with the arms' entropy ``tracking``, :func:`entropy_tracking`) and its figure
+    (path, caption, label)."""
+    return [escape(f"{intro}{stage['decision']['statement']}"), *_stage_groups(stage, *table),
+            *_stage_notes(stage, tracking), *_figure(*figure)]
 
 
 def _figure(path: Path, caption: str, label: str) -> list[str]:
@@ -347,7 +354,60 @@ def _copied_figure(path: Path, out_dir: Path, prefix: str, caption: str, label: 
     return _figure(copy, caption, label)
 
 
-def _stage_notes(stage: dict) -> list[str]:
+TRACKS = 0.5
+"""Mismatch "tracks" the policy's entropy in an arm when the median over its runs of the per-run correlation of log
+mismatch with log entropy (over the logged steps) is at least this; below it, comparing arms at matched entropy
+controls for nothing in that arm."""
+
+
+def entropy_tracking(results: Path, stage: str) -> dict[str, float]:
+    """Per arm, the median over its runs of the per-run Pearson correlation of log mismatch (mean |dlogp|) with log
+    entropy over the logged steps, from the runs' ``metrics.jsonl`` (runs with fewer than 3 usable steps left out)."""
+    per: dict[str, list[float]] = {}
+    for cell, run_dir in cells_by_folder(results, "search", stage):
+        steps = [(m["mismatch/mean_abs_dlogp"], m["entropy"]) for m in read_jsonl(run_dir / "metrics.jsonl")
+                 if (m.get("mismatch/mean_abs_dlogp") or 0) > 0 and (m.get("entropy") or 0) > 0]
+        if len(steps) >= 3:
+            x, y = np.log([e for _, e in steps]), np.log([d for d, _ in steps])
+            if x.std() > 0 and y.std() > 0:
+                per.setdefault(cell["labels"]["arm"], []).append(float(np.corrcoef(x, y)[0, 1]))
+    return {arm: float(np.median(rs)) for arm, rs in per.items()}
+
+
+def mismatch_course(results: Path, stage: str, arm: str) -> dict | None:
+    """An arm's in-training mismatch over its logged steps, from its runs' ``metrics.jsonl``: the seed mean at each
+    logged step, and per run the sign of the least-squares slope of log mismatch over the steps after the first
+    (whether it keeps growing once the first weight sync is past)."""
+    by_step: dict[int, list[float]] = {}
+    rising, runs = 0, 0
+    for cell, run_dir in cells_by_folder(results, "search", stage):
+        if cell["labels"].get("arm") != arm:
+            continue
+        steps = [(m["step"], m["mismatch/mean_abs_dlogp"]) for m in read_jsonl(run_dir / "metrics.jsonl")
+                 if (m.get("mismatch/mean_abs_dlogp") or 0) > 0]
+        for step, value in steps:
+            by_step.setdefault(int(step), []).append(value)
+        later = steps[1:]
+        if len(later) >= 2:
+            runs += 1
+            rising += np.polyfit([x for x, _ in later], np.log([v for _, v in later]), 1)[0] > 0
+    if not by_step:
+        return None
+    means = {step: float(np.mean(v)) for step, v in sorted(by_step.items())}
+    return {"means": means, "rising": int(rising), "runs": runs}
+
+
+def _course_text(arm: str, course: dict | None) -> str:
+    if course is None or len(course["means"]) < 3:
+        return ""
+    (s1, m1), (s2, m2), *rest = course["means"].items()
+    later = [m2, *(m for _, m in rest)]
+    return (f"Its in-training mismatch (seed means) goes from {m1:.3g} at logged step {s1} to {m2:.3g} at step {s2} "
+            f"and then stays within {min(later):.3g}-{max(later):.3g} to step {rest[-1][0]}; the log slope after step "
+            f"{s1} is positive in {course['rising']} of {course['runs']} runs of {arm}.")
+
+
+def _stage_notes(stage: dict, tracking: dict[str, float] | None = None) -> list[str]:
     """What a stage's summary says beside its decision: runs ending in an absorbing state, and
     the aligned arm's mismatch relative to stock BF16's at step 1 and at matched entropy."""
     notes = []
@@ -365,9 +425,17 @@ def _stage_notes(stage: dict) -> list[str]:
             values = [v for v in values if v is not None]
             return "n/a" if not values else f"{min(values):.2f}-{max(values):.2f}"
 
+        tracks = "mismatch tracks the policy's entropy, so"
+        if tracking:
+            loose = [arm for arm in (c["treatment_arm"], c["reference_arm"]) if tracking.get(arm, 1.0) < TRACKS]
+            tracks = ("the per-run correlation of log mismatch with log entropy, median over seeds, is "
+                      + ", ".join(f"{arm} {r:.2f}" for arm, r in tracking.items())
+                      + ("" if not loose else f" (in {' and '.join(loose)} the mismatch does not follow the entropy, "
+                                              f"so the matched-entropy ratio below controls for nothing there)")
+                      + "; where it tracks,")
         notes.append(escape(
-            f"Mismatch of {c['treatment_arm']} relative to {c['reference_arm']} (beside the rules): mismatch tracks the "
-            f"policy's entropy, so the means over the steps in the table compare how far each arm's policy moved as "
+            f"Mismatch of {c['treatment_arm']} relative to {c['reference_arm']} (beside the rules): {tracks} "
+            f"the means over the steps in the table compare how far each arm's policy moved as "
             f"much as its numerics; at step 1 (the same weights) and at matched entropy (equal-width bins of log "
             f"entropy) the ratio is " + "; ".join(
                 f"{rung}: {span(list(r['step1'].values()))} per seed at step 1, "
@@ -501,12 +569,50 @@ def _claims_text(grid: dict, lever: dict | None) -> str:
 
 
 def effect_reading(effect: dict, alpha: float) -> str:
-    """An effect as the grid's written reading names it: ``below 0`` (its interval's upper end < 0 and p < alpha),
-    ``above 0`` (the lower end > 0 and p < alpha), else ``not resolved`` at this power."""
-    shift, p = effect.get("shift") or {}, effect.get("signed_rank_p")
-    if not shift or p is None or p >= alpha:
-        return "not resolved"
-    return "below 0" if shift["high"] < 0 else "above 0" if shift["low"] > 0 else "not resolved"
+    """An effect as the grid's written reading names it (:func:`analysis.collapse_stats.paired_reading`): ``below
+    0``, ``above 0``, else ``not resolved`` at this power."""
+    return paired_reading(effect, alpha)
+
+
+def _p_range(ps: list[float] | None) -> str:
+    if not ps:
+        return "--"
+    low, high = (f"{p:.2g}" for p in ps)
+    return low if low == high else f"{low}-{high}"
+
+
+def _effects_robustness(csv: Path, grid: dict, alpha: float) -> list[str]:
+    """Beside each pre-registered effect (not part of its rule): the same contrast on the reward AUC, and how far
+    its reading rests on one seed -- the contrast again with each seed left out (the range of its p, the seeds
+    whose removal changes the reading)."""
+    if not csv.exists():
+        return []
+    runs = pd.read_csv(csv)
+    done = runs[runs["state"] == "finished"]
+    rule = grid["decision"]["rule"]
+    arm, confidence, rung = rule.get("arm_axis", "arm"), rule.get("confidence", 0.95), rule.get("rung_axis")
+    rows = []
+    for e in grid["effects"]["effects"].values():
+        spec = {"contrast": e["contrast"], "outcome": e["outcome"]}
+        auc = paired_contrast(done, pd.DataFrame(), {**spec, "outcome": "reward_auc"}, arm, confidence, rung)
+        loo = leave_one_out(done, spec, arm, confidence, alpha, rung)
+        sh = auc.get("shift") or {}
+        changed = loo["changes_reading"]
+        rows.append({"difference": contrast_words(e["contrast"]),
+                     "reward AUC: HL shift (exact interval)": (f"{sh['estimate']:+.3f} [{sh['low']:+.3f}, "
+                                                               f"{sh['high']:+.3f}]" if sh else "--"),
+                     "reward AUC: signed-rank p": auc.get("signed_rank_p"),
+                     "reward AUC: reading": paired_reading(auc, alpha),
+                     "learning gain p, one seed left out": _p_range(loo["p_range"]),
+                     "reading changes without seed": ", ".join(
+                         f"{s} ({loo['without'][s]['reading']}, p = {loo['without'][s]['p']:.2g})" for s in changed)
+                     or "none"})
+    return [escape("Beside the rule (not part of it, computed when the paper is built): each effect on the reward "
+                   "AUC, whose interval and p are those of the questions, and how far its reading on the learning "
+                   "gain rests on one seed -- the effect again with each seed left out."),
+            booktabs(pd.DataFrame(rows), f"The precision grid's effects beside the rule: the reward AUC, and the "
+                     f"learning-gain effect with each seed left out in turn (exact signed-rank test at alpha "
+                     f"{alpha}, one pair fewer)", "tab:precrobust", placement="H")]
 
 
 def precision_section(results: Path | None, out_dir: Path) -> Path | None:
@@ -535,9 +641,9 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
     parts += _questions_table(grid, "The precision grid's", "tab:precquestions")
     parts.append(_description({contrast_words(e["contrast"]): e["question"] for e in effects["effects"].values()}))
     rows = [{"difference": contrast_words(e["contrast"]),
-             "pairs": e["pairs"], "mean": e["mean_difference"], "below 0": f"{e['a_lower']} of {e['pairs']}",
-             "signed-rank p": e["signed_rank_p"], "HL shift": e["shift"]["estimate"],
-             "exact interval": f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g} "
+             "pairs": e["pairs"], "mean": f"{e['mean_difference']:+.3f}", "below 0": f"{e['a_lower']} of {e['pairs']}",
+             "signed-rank p": e["signed_rank_p"], "HL shift": f"{e['shift']['estimate']:+.3f}",
+             "exact interval": f"{e['shift']['low']:+.3f} to {e['shift']['high']:+.3f} "
                                f"({100 * e['shift']['coverage']:.1f}%)",
              "reading": effect_reading(e, alpha)} for name, e in effects["effects"].items()]
     parts.append(booktabs(pd.DataFrame(rows), f"The precision grid's pre-registered effects on the learning gain "
@@ -545,17 +651,20 @@ def precision_section(results: Path | None, out_dir: Path) -> Path | None:
                           f"exact two-sided signed-rank test at alpha {alpha}, Hodges-Lehmann shift with the exact "
                           f"interval that inverts it; reading: below or above 0 where the interval excludes 0 at "
                           f"that alpha", "tab:preceffects", placement="H"))
+    parts += _effects_robustness(results / "tables" / "search_grid.csv", grid, alpha)
     own = arm_mismatch(grid)
+    treatment = grid["decision"]["rule"].get("treatment_arm", "trainer-fp32")
     if own:
         parts.append(escape("Each arm's mean in-training mismatch (mean |dlogp|): " + arms_text(own)
             + ". The FP32-trainer cell's mismatch is not stock BF16's kind: its trainer computes on the unrounded FP32 "
             "weights while its engine holds their BF16 rounding, so the two sides differ in their weights as well as "
-            "in where they round (the gap jumps at the first weight sync and then stays about flat); stock BF16's "
+            "in where they round; stock BF16's "
             "trainer computes on the same rounding as its engine, updates reaching both sides when they cross a "
             "rounding boundary, and its two sides differ only in where they round. An effect of that cell against fp32 is the cost of this kind and size "
             "of mismatch; whether stock BF16's own mismatch costs it learning needs a cell with BF16 arithmetic and no "
-            "mismatch, which did not qualify on this CPU."))
-    parts += _stage_notes(grid)
+            "mismatch, which did not qualify on this CPU. "
+            + _course_text(treatment, mismatch_course(results, "grid", treatment))))
+    parts += _stage_notes(grid, entropy_tracking(results, "grid"))
     parts += _stage_groups(grid, "The precision grid's runs per arm", "tab:precgrid")
     parts += _copied_figure(results / "figures" / "search_grid.png", out_dir, "precision_", "The precision grid: "
                             "reward (top) and in-training mismatch (middle, log scale) per logged step, line: mean over "

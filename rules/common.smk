@@ -10,6 +10,7 @@ from rpa.workflow.jobs import (attribution_job, diagnose_job, gguf_flags, model_
                                parity_job, probe_job, prompts_flags, prompts_task, sampling_cells, sampling_probe_job,
                                tiny_flags)
 from rpa.workflow.pipeline import PipelineConfigError
+from rpa.workflow.paper import config_sections, section_inputs
 from rpa.workflow.resources import gpu_shortfall, study_priorities
 from rpa.workflow.resources import group_resources as resources_of_group
 
@@ -24,6 +25,7 @@ SAMPLER = PROBE["sampler"]
 DIAGNOSE = config["diagnose"]["configs"]
 ATTRIBUTION = config.get("attribution") or {"models": [], "configs": []}  # the kernel-swap attribution
 FIGURES = config["figures"]
+PAPER_SECTIONS = config_sections(config)  # the paper's further parts: (kind, results directory)
 # conda: paths in an included file are relative to that file (rules/), hence "../"
 ENV = f"../envs/rpa-{config['env']}.yaml"
 DEVICE = config["device"]  # trainer side of parity / probe / diagnose

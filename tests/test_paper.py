@@ -50,7 +50,7 @@ def test_claims_state_the_collapse_rule_of_the_runs_thresholds(tmp_path):
     from analysis.paper import write_claims
     from rpa.train.collapse import rule_text
 
-    write_claims(REFERENCE, tmp_path, DOSE)
+    write_claims(REFERENCE, tmp_path, {"dose": [DOSE]})
     claims = (tmp_path / "claims.tex").read_text()
     (study,) = _thresholds(REFERENCE.glob("study/*/*/seed*/config.json"))  # one set in the committed runs
     assert _macro(claims, "collapserule") == escape(rule_text(study))
@@ -163,11 +163,10 @@ def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
     proc = run_py(["-m", "analysis.study", "--results", str(res)])
     assert proc.returncode == 0, tail(proc)
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
-                   "--dose-results", str(DOSE), "--search-results", str(REPO / "results/reference/collapse-cpu"),
-                   "--real-search-results", str(REPO / "results/reference/collapse-smollm2"),
-                   "--precision-results", str(REPO / "results/reference/precision-smollm2"),
-                   "--probe-results", str(REPO / "results/reference/main"),
-                   "--probe-results", str(REPO / "results/reference/main-xeon-amx")], timeout=600)
+                   *(f"--section={kind}={REPO / 'results/reference' / name}" for kind, name in (
+                       ("dose", "cpu"), ("search", "collapse-cpu"), ("real-search", "collapse-smollm2"),
+                       ("precision", "precision-smollm2"), ("probe", "main"), ("probe", "main-xeon-amx")))],
+                  timeout=600)
     assert proc.returncode == 0, tail(proc)
     assert (res / "paper/real_search_section.tex").exists()  # both search sections are on the page
     assert (res / "paper/precision_section.tex").exists()  # and the precision grid's
@@ -320,7 +319,7 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     for name, e in grid["effects"]["effects"].items():
         row = next(line for line in text.splitlines() if line.lstrip().startswith(contrast_words(e["contrast"]) + " "))
         assert name not in row and f"\\item[{contrast_words(e['contrast'])}] {e['question']}" in text  # in words
-        assert f"{e['shift']['low']:.3g} to {e['shift']['high']:.3g}" in row and effect_reading(e, alpha) in row, row
+        assert f"{e['shift']['low']:+.3f} to {e['shift']['high']:+.3f}" in row and effect_reading(e, alpha) in row, row
     assert (tmp_path / "precision_search_grid.png").exists()
     assert all(f"{g['arm']} {g['pre_collapse_mismatch']:.3g}" in text for g in grid["groups"])
     effect = {"shift": {"estimate": -0.1, "low": -0.2, "high": -0.01}, "signed_rank_p": 0.0078}
@@ -340,7 +339,8 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     assert not (tmp_path / "p/precision_section.tex").exists()  # an earlier build's section is not left over
     from analysis.paper import write_claims
 
-    claims = write_claims(REFERENCE, tmp_path, DOSE, None, None, committed.parents[1]).read_text().replace("\\_", "_")
+    claims = write_claims(REFERENCE, tmp_path, {"dose": [DOSE], "precision": [committed.parents[1]]}).read_text() \
+        .replace("\\_", "_")
     assert "precision grid grid (" in claims  # its runs' commits are listed with the others
     front = (tmp_path / "front.tex").read_text().replace("\\_", "_")
     answers = {"below 0": "a loss", "above 0": "a gain", "not resolved": "not resolved"}
@@ -356,7 +356,7 @@ def _front_text(tmp_path, **given):
     from analysis.runs import MANIFEST, read_manifest
 
     manifest = read_manifest(_committed(REFERENCE / "study" / MANIFEST))
-    front = gather(REFERENCE, manifest, DOSE, **given)
+    front = gather(REFERENCE, manifest, {"dose": [DOSE], **given})
     return front, abstract(front), claims_rows(front)
 
 
@@ -369,7 +369,7 @@ def test_the_real_model_grid_reaches_the_front_once_with_its_post_hoc_label(tmp_
     gain = next(c for c in grid["post_hoc"]["comparisons"].values() if c["outcome"] == "learning_gain")
     s = gain["shift"]
     quoted = f"{s['estimate']:+.3f} [{s['low']:+.3f}, {s['high']:+.3f}]"
-    _, text, rows = _front_text(tmp_path, real_search_results=committed)
+    _, text, rows = _front_text(tmp_path, **{"real-search": [committed]})
     assert f"learning gain {quoted}, post hoc" in text
     row = next(r for r in rows if r.source == "this suite, post hoc")
     assert quoted in row.number and row.verdict == ("holds" if s["high"] < 0 else "not resolved")
@@ -384,7 +384,7 @@ def test_claims_state_the_miniatures_findings_once_and_every_commit(tmp_path):
     from analysis.paper import write_claims
 
     _committed(REFERENCE / "study/manifest.json")
-    write_claims(REFERENCE, tmp_path, DOSE, _committed(SEARCH))
+    write_claims(REFERENCE, tmp_path, {"dose": [DOSE], "search": [_committed(SEARCH)]})
     claims = (tmp_path / "claims.tex").read_text()
     note = _macro(claims, "miniaturenote")
     assert "Aligning all three regions lowers the mismatch with a 95\\% interval below zero on 3 of 4 sizes offline " \
@@ -426,3 +426,37 @@ def test_generated_dose_table_has_readable_headers(tmp_path):
     dose_parts(_committed(DOSE), tmp_path)
     header = (tmp_path / "dose_table.tex").read_text().split("\\toprule")[1].split("\\midrule")[0]
     assert "\\_" not in header and "IS correction" in header
+
+
+def test_the_precision_section_says_what_the_rule_leaves_out_from_the_runs(tmp_path):
+    """Issue 68, item 4, generated from the committed raw runs: each effect beside its rule on the reward AUC and
+    with each seed left out (the seeds whose removal changes the reading named); the FP32-trainer arm's mismatch
+    course (the jump at the first sync, then its range, and in how many runs it still rises); the entropy caveat
+    per arm. A contrast is computed again here from the per-run table, not from the section's helpers."""
+    import numpy as np
+
+    from analysis.collapse_stats import signed_rank_p
+    from analysis.paper_search import contrast_words, precision_section
+    from rpa.core.jsonfiles import read_jsonl
+
+    ref = _committed(REPO / "results/reference/precision-smollm2")
+    grid = json.loads((ref / "tables/search_grid.json").read_text())
+    text = precision_section(ref, tmp_path).read_text().replace("\\_", "_")
+    runs = pd.read_csv(ref / "tables/search_grid.csv").query("state == 'finished'")
+    gain = (runs["reward_auc"] - runs["step1_reward"]).groupby([runs["arm"], runs["seed"]]).first().unstack(0)
+    alpha = grid["questions"]["alpha"]
+    table = text.split("tab:precrobust")[1]
+    for e in grid["effects"]["effects"].values():
+        diff = sum(gain[arm] * w for arm, w in e["contrast"].items())
+        ps = [signed_rank_p(diff.drop(seed).tolist()) for seed in diff.index]
+        row = next(line for line in table.splitlines() if line.startswith(contrast_words(e["contrast"]) + " "))
+        shown = f"{min(ps):.2g}" if f"{min(ps):.2g}" == f"{max(ps):.2g}" else f"{min(ps):.2g}-{max(ps):.2g}"
+        assert f"& {shown} &" in row, (row, shown)
+        flips = [s for s, p in zip(diff.index, ps) if (p < alpha) != (e["signed_rank_p"] < alpha)]
+        assert (row.rstrip(" \\").endswith("none")) == (not flips), row
+    first = [read_jsonl(p)[0]["mismatch/mean_abs_dlogp"]
+             for p in sorted((ref / "search/grid/lr1e-5-c48-u4/trainer-fp32").glob("seed*/metrics.jsonl"))]
+    assert f"goes from {np.mean(first):.3g} at logged step 1" in text
+    assert "in trainer-fp32 the mismatch does not follow the entropy" in text
+    assert "below half a BF16 ulp move the trainer's policy and not the sampler's" not in text  # the wrong mechanism
+    assert "-0.190" in text.split("tab:preceffects")[1]  # three decimals, as the claims table and README quote it

@@ -17,8 +17,10 @@ def _committed_front():
     from analysis.runs import MANIFEST, read_manifest
 
     manifest = read_manifest(R / "study-cpu/study" / MANIFEST)
-    return gather(R / "study-cpu", manifest, R / "cpu", R / "collapse-cpu", R / "collapse-smollm2",
-                  R / "precision-smollm2", [R / "main", R / "main-xeon-amx"])
+    return gather(R / "study-cpu", manifest, {"dose": [R / "cpu"], "search": [R / "collapse-cpu"],
+                                               "real-search": [R / "collapse-smollm2"],
+                                               "precision": [R / "precision-smollm2"],
+                                               "probe": [R / "main", R / "main-xeon-amx"]})
 
 
 def test_numbers_are_what_a_reader_meets_as_numbers():

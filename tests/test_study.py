@@ -358,7 +358,7 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
     shutil.copytree(REFERENCE, res)
     dose = REPO / "results/reference/cpu"  # the committed positive control, another results directory
     proc = run_py(["-m", "analysis.paper", "--results", str(res), "--out-dir", str(res / "paper"),
-                   "--dose-results", str(dose)], timeout=600)
+                   "--section", f"dose={dose}"], timeout=600)
     claims = (res / "paper/claims.tex").read_text()
     front = (res / "paper/front.tex").read_text()
     assert "\\newcommand{\\claimstable}" in front and "RoPE alone suffices" in front and "RoPE alone" in claims

@@ -23,6 +23,7 @@ from rpa.core.regions import RegionError, parse_regions
 from rpa.core.yamlfiles import load_yaml
 from rpa.workflow.experiments import GRID_SECTIONS, checked_parts, grid_groups, grid_stage, kind_grids
 from rpa.workflow.grid import WARM_START_INPUTS, Cell, Group, expand
+from rpa.workflow.paper import REPLACED_KEYS, config_sections, sections_problem
 from rpa.workflow.jobs import parity_options, probe_options, prompts_task
 from rpa.workflow.resources import launch_problems
 
@@ -176,6 +177,11 @@ def schema_problem(config: dict[str, Any], schema_path: str | Path) -> str:
     if error.validator == "additionalProperties":
         allowed = list((error.schema.get("properties") or {}))
         extra = [k for k in (error.instance or {}) if k not in allowed]
+        replaced = [k for k in extra if not error.absolute_path and k in REPLACED_KEYS]
+        if replaced:
+            k = replaced[0]
+            return (f"config: {k!r} was replaced by paper.sections: write `paper: {{sections: [{{kind: "
+                    f"{REPLACED_KEYS[k]}, results: <its directory>}}]}}` (docs/pipeline.md)")
         hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), allowed, n=1))
                  else repr(k) for k in extra]
         return f"{where}: unknown key(s) {', '.join(hints)}; valid: {', '.join(allowed)}"
@@ -215,6 +221,9 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
                 problems.append(f"models.{name}.gguf: {problem}")
         if model.get("probe"):
             problems += [f"models.{name}.probe: {p}" for p in _model_probe_problems(config, name)]
+    problem = sections_problem(config_sections(config))
+    if problem:
+        problems.append(problem)
     try:
         if not parse_regions(config["parity"]["regions"]):
             problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
