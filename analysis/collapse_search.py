@@ -55,6 +55,7 @@ from analysis.collapse_stats import (DECIDED_STAGES, ENTROPY_BINS, MISMATCH, PHA
                                      rule_power, search_rows, sensitivity_groups, sign_test, signed_rank_interval,
                                      signed_rank_null, signed_rank_p, signed_rank_power, smallest_detectable_effect,
                                      smallest_detectable_rate)
+from analysis.dose_response import dose_response
 from analysis.refusal import run
 from analysis.runs import RUN_SETTINGS, SENSITIVITY_LABELS, flags, read_manifest, sensitivity_column  # noqa: F401
 from rpa.core.jsonfiles import atomic_path, write_text
@@ -186,7 +187,31 @@ def decided(runs: pd.DataFrame, curves: pd.DataFrame, manifest: dict, rule: dict
         summary["questions"] = questions(runs, rule)
     if rule.get("effects"):
         summary["effects"] = effects(runs, curves, rule)
+    if rule.get("dose_response"):
+        summary["dose_response"] = dose_response(runs, rule["dose_response"], rule)
     return summary
+
+
+def _dose_text(d: dict) -> str:
+    """The dose-response estimands as the tables print them."""
+    if d.get("unfinished") or d.get("refused"):
+        return f"**Dose-response**: not read ({d.get('refused') or str(d['unfinished']) + ' runs unfinished'}).\n\n"
+
+    def est(e: dict) -> str:
+        sh = e.get("shift")
+        return ("n/a" if not sh else f"{sh['estimate']:+.3g} [{sh['low']:+.3g}, {sh['high']:+.3g}] "
+                f"({100 * sh['coverage']:.1f}%, signed-rank p = {e['signed_rank_p']:.2g})")
+    share = d.get("share") or {}
+    share_text = ("n/a" if share.get("estimate") is None else
+                  f"{share['estimate']:.2f} [{share['low']:.2f}, {share['high']:.2f}]"
+                  + ("" if share.get("bounded") else " (the set reaches the searched range's end: unbounded)"))
+    low = d.get("lowest_collapsing")
+    return (f"**Dose-response** ({d['seeds']} seeds, outcome {d['outcome']} on the in-training mismatch over "
+            f"{', '.join(d['doses'])}; floor {d['floor_arm']}): slope per unit mean |dlogp| {est(d['slope'])}; "
+            f"gain predicted at zero mismatch minus {d['doses'][0]}'s {est(d['explained'])}; {d['floor_arm']} minus "
+            f"{d['doses'][0]} {est(d['deficit'])}; share of the deficit the mismatch explains {share_text}; lowest "
+            f"dose with a collapse: {'none' if low is None else low['arm'] + ' (mismatch ' + format(low['mismatch'], '.3g') + ')'}."
+            "\n\n")
 
 
 def decided_text(summary: dict, what: str) -> str:
@@ -205,6 +230,8 @@ def decided_text(summary: dict, what: str) -> str:
                  f"{auc.get('mean_difference') if auc.get('mean_difference') is None else format(auc['mean_difference'], '.3g')}, "
                  f"signed-rank p = {auc.get('signed_rank_p') if auc.get('signed_rank_p') is None else format(auc['signed_rank_p'], '.3g')}"
                  f"{_shift_text(auc.get('shift'))}.\n\n")
+    if summary.get("dose_response"):
+        text += _dose_text(summary["dose_response"])
     return text
 
 

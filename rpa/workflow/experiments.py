@@ -304,6 +304,18 @@ def decision_problems(rule: dict[str, Any], cells: list[Cell], key: str) -> list
         elif abs(sum(weights.values())) > 1e-9:
             problems.append(f"{key}.effects.{name}: the contrast's weights sum to {sum(weights.values()):g}, not 0 "
                             "(an effect compares arms)")
+    dose = rule.get("dose_response")
+    if dose:
+        doses = dose.get("doses") or []
+        problems += [f"{key}.dose_response.doses: {a!r} is not {named}" for a in doses if a not in arms]
+        if len(set(doses)) != len(doses):
+            problems.append(f"{key}.dose_response.doses: an arm is listed twice ({', '.join(doses)})")
+        floor = dose.get("floor_arm") or rule.get("control_arm")
+        if floor in doses:
+            problems.append(f"{key}.dose_response.floor_arm: {floor!r} is also a dose (the floor is no-mismatch FP32, "
+                            "apart from the curve)")
+        elif "floor_arm" in dose and floor not in arms:
+            problems.append(f"{key}.dose_response.floor_arm: {floor!r} is not {named}")
     rung = rule.get("rung_axis")
     runs: dict[tuple, int] = {}
     for c in cells:  # the runs of one arm at one rung: what a collapse count is taken over

@@ -224,6 +224,17 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
     problem = sections_problem(config_sections(config))
     if problem:
         problems.append(problem)
+    pilot = config.get("dose_pilot")
+    if pilot:
+        if pilot["model"] not in (config.get("models") or {}):
+            problems.append(f"dose_pilot.model: {pilot['model']!r} is not a name in models")
+        configs = config["probe"]["configs"]
+        problems += [f"dose_pilot: {c!r} is not a name in probe.configs" for c in [pilot["reference"], *pilot["candidates"]]
+                     if c not in configs]
+        problems += [f"dose_pilot.candidates: {c!r} has no sampler_perturbation (a dose perturbs the sampler)"
+                     for c in pilot["candidates"] if c in configs and not configs[c].get("sampler_perturbation")]
+        if pilot.get("low", 1.5) >= pilot.get("high", 5.0):
+            problems.append(f"dose_pilot: low ({pilot.get('low', 1.5)}) must be below high ({pilot.get('high', 5.0)})")
     try:
         if not parse_regions(config["parity"]["regions"]):
             problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
