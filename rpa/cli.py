@@ -377,76 +377,103 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
     option ranges, the model checkpoint (config, architecture, whole weights, tokenizer), input
     files (and their token ids against the model's vocabulary), the output path, and a run
     config with its context length against the model's. Each failure is one line, exit 2.
-    Returns the validated objects the command then uses (:class:`Checked`)."""
+    Returns the validated objects the command then uses (:class:`Checked`): each command's checks
+    are :data:`_CHECKS`'s, the model commands' (parity, probe, diagnose, attribute) :func:`_check_measurement`."""
+    return _CHECKS.get(args.command, _check_measurement)(args)
+
+
+def _check_convert(args: argparse.Namespace) -> Checked:
+    from rpa.measure.inputs import check_output
+
+    source = _gguf_source(args)
+    source.locate()
+    check_output(args.out, "dir", command="convert")
+    return Checked(options=source)
+
+
+def _check_prompts(args: argparse.Namespace) -> Checked:
+    from rpa.measure.inputs import check_output
+
+    spec = _task_spec(args)
+    check_output(args.out, "file")
+    return Checked(options=spec)
+
+
+def _check_tiny(args: argparse.Namespace) -> Checked:
+    from rpa.core.fieldtypes import from_args
+    from rpa.measure.inputs import check_output
+    from rpa.sides.tiny import TinySpec, check_target
+
+    spec = from_args(TinySpec, args)
+    spec.validate()
+    check_output(args.out, "dir", command="tiny")
+    check_target(args.out)
+    return Checked(options=spec)
+
+
+def _check_runs(args: argparse.Namespace) -> Checked:
+    """train / warm-start: each run config against its model (context, top-k, the sync probe), one directory per
+    config, and runs that share a process able to share its engine."""
     from rpa.core.errors import InputError
-    from rpa.measure.inputs import check_lengths, check_model, check_output, check_token_ids
+    from rpa.measure.inputs import check_model, check_output
+    from rpa.train.config import TrainConfig
 
-    if args.command == "convert":
-        source = _gguf_source(args)
-        source.locate()
-        check_output(args.out, "dir", command="convert")
-        return Checked(options=source)
-    if args.command == "prompts":
-        spec = _task_spec(args)
-        check_output(args.out, "file")
-        return Checked(options=spec)
-    if args.command == "tiny":
-        from rpa.core.fieldtypes import from_args
-        from rpa.sides.tiny import TinySpec, check_target
+    pairs = list(zip(args.config, args.out)) if args.command == "train" else [(args.config, args.out)]
+    if args.command == "train" and len(args.config) != len(args.out):
+        raise InputError(f"{len(args.config)} --config and {len(args.out)} --out: one run directory per config")
+    if args.command == "train" and len(set(map(os.path.abspath, args.out))) != len(args.out):
+        raise InputError("--out: a run directory is named twice")
+    cfgs = []
+    for path, out in pairs:
+        cfg = TrainConfig.from_yaml(path)
+        if args.command == "warm-start" and cfg.warm_start.steps < 1:
+            raise InputError(f"{path}: warm_start.steps is {cfg.warm_start.steps}: a warm start of no steps has "
+                             f"nothing to write (start the runs from the model itself)")
+        config = check_model(cfg.model)
+        context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
+        limit = getattr(config, "max_position_embeddings", None)
+        if args.command == "train" and limit and context > limit:
+            raise InputError(f"{path}: max_prompt_length + max_completion_length + vllm_context_slack = "
+                             f"{context} exceeds the model's max_position_embeddings ({limit})")
+        problem = top_k_problem(cfg.top_k, config)
+        if problem:
+            raise InputError(f"{path}: {problem}")
+        if args.command == "train" and cfg.sync_check.probe_tokens > context:
+            raise InputError(f"{path}: sync_check.probe_tokens {cfg.sync_check.probe_tokens} is longer than the "
+                             f"engine's context ({context} tokens)")
+        check_output(out, "dir", inputs=(cfg.model, path), command=args.command)
+        cfgs.append(cfg)
+    if len(cfgs) > 1:
+        from rpa.train.grpo import engine_problems
 
-        spec = from_args(TinySpec, args)
-        spec.validate()
-        check_output(args.out, "dir", command="tiny")
-        check_target(args.out)
-        return Checked(options=spec)
-    if args.command in ("train", "warm-start"):
-        from rpa.train.config import TrainConfig
+        problems = engine_problems(cfgs)
+        if problems:
+            raise InputError("these runs cannot share a process: " + "; ".join(problems))
+    return Checked(configs=cfgs)
 
-        pairs = list(zip(args.config, args.out)) if args.command == "train" else [(args.config, args.out)]
-        if args.command == "train" and len(args.config) != len(args.out):
-            raise InputError(f"{len(args.config)} --config and {len(args.out)} --out: one run directory per config")
-        if args.command == "train" and len(set(map(os.path.abspath, args.out))) != len(args.out):
-            raise InputError("--out: a run directory is named twice")
-        cfgs = []
-        for path, out in pairs:
-            cfg = TrainConfig.from_yaml(path)
-            if args.command == "warm-start" and cfg.warm_start.steps < 1:
-                raise InputError(f"{path}: warm_start.steps is {cfg.warm_start.steps}: a warm start of no steps has "
-                                 f"nothing to write (start the runs from the model itself)")
-            config = check_model(cfg.model)
-            context = cfg.max_prompt_length + cfg.max_completion_length + cfg.vllm_context_slack
-            limit = getattr(config, "max_position_embeddings", None)
-            if args.command == "train" and limit and context > limit:
-                raise InputError(f"{path}: max_prompt_length + max_completion_length + vllm_context_slack = "
-                                 f"{context} exceeds the model's max_position_embeddings ({limit})")
-            problem = top_k_problem(cfg.top_k, config)
-            if problem:
-                raise InputError(f"{path}: {problem}")
-            if args.command == "train" and cfg.sync_check.probe_tokens > context:
-                raise InputError(f"{path}: sync_check.probe_tokens {cfg.sync_check.probe_tokens} is longer than the "
-                                 f"engine's context ({context} tokens)")
-            check_output(out, "dir", inputs=(cfg.model, path), command=args.command)
-            cfgs.append(cfg)
-        if len(cfgs) > 1:
-            from rpa.train.grpo import engine_problems
 
-            problems = engine_problems(cfgs)
-            if problems:
-                raise InputError("these runs cannot share a process: " + "; ".join(problems))
-        return Checked(configs=cfgs)
-    numerics = _parity_numerics(args) if args.command == "parity" else _numerics(args)
-    options = None
+_CHECKS = {"convert": _check_convert, "prompts": _check_prompts, "tiny": _check_tiny, "train": _check_runs,
+           "warm-start": _check_runs}
+"""The commands whose checks are their own; every other command measures a model (:func:`_check_measurement`)."""
+
+
+def _measurement_options(args: argparse.Namespace, numerics):
+    """The options of parity, probe, diagnose or attribute, their ranges checked, and what each command asks of
+    the numerics."""
+    from rpa.core.errors import InputError
+    from rpa.core.fieldtypes import from_args
+
     if args.command == "parity":
         options = _parity_options(args)  # the option values (a trainer_dtype from a job file is not an argparse choice)
         if not numerics.regions:
             raise InputError("parity needs at least one aligned region ('none' has nothing to check)")
+        return options
     if args.command == "probe":
-        options = _probe_options(args)  # ranges of the probe's options
+        return _probe_options(args)  # ranges of the probe's options
     if args.command == "diagnose":
         from rpa.measure.diagnose import DiagnoseOptions
-        from rpa.core.fieldtypes import from_args
 
-        options = from_args(DiagnoseOptions, args)  # ranges of diagnose's options
+        return from_args(DiagnoseOptions, args)  # ranges of diagnose's options
     if args.command == "attribute":
         options = _attribution_options(args)
         if not args.completions:
@@ -456,60 +483,63 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         if numerics.trainer_precision != "same":
             raise InputError("attribute swaps vLLM's BF16 kernels into a BF16 trainer; --trainer-precision must be "
                              "same")
-    config = check_model(args.model)
+        return options
+    return None
+
+
+def _check_probe_against_model(options, config, completions) -> None:
+    """The probe's options against its model and its sequences: top-k within the vocabulary, the engine's context
+    within the model's, a prompts file long enough, and no part asking for more sequences than the probe has."""
+    from rpa.core.errors import InputError
+
     limit = getattr(config, "max_position_embeddings", None)
-    if args.command == "probe" and top_k_problem(options.top_k, config):
+    if top_k_problem(options.top_k, config):
         raise InputError(f"--{top_k_problem(options.top_k, config)}")
-    if args.command == "probe" and limit and options.max_model_len > limit:
+    if limit and options.max_model_len > limit:
         raise InputError(f"--max-model-len {options.max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit})")
-    completions = getattr(args, "completions", None)
-    if args.command == "probe" and options.prompts_file and not completions:
+    if options.prompts_file and not completions:
         from rpa.measure.prompts import read_prompts
 
         count = len(read_prompts(options.prompts_file))  # one line naming the file and line, before any engine
         if count < options.prompts:
             raise InputError(f"--prompts-file {options.prompts_file}: {count} prompts, --prompts asks for "
                              f"{options.prompts}")
-    records = None
-    if completions:
-        from rpa.measure.scoring import load_completions
 
-        records = load_completions(completions)
+
+def _check_sequence_counts(options, completions, records) -> None:
+    from rpa.core.errors import InputError
+
+    sequences = len(records) if records is not None else options.prompts * options.samples
+    for name in ("split_sequences", "decode_sequences", "batch_sequences"):
+        asked = getattr(options, name)
+        if asked is not None and asked > sequences:
+            raise InputError(f"--{name.replace('_', '-')} {asked}: the probe has {sequences} sequences "
+                             f"({'the completions file' if completions else '--prompts x --samples'})")
+
+
+def _check_completions(args: argparse.Namespace, options, config, completions, records) -> None:
+    """A completions file's token ids within the vocabulary, and its sequences within the engine's context."""
+    from rpa.measure.inputs import check_lengths, check_token_ids
+
+    limit = getattr(config, "max_position_embeddings", None)
+    check_token_ids(records, int(config.vocab_size), completions)
+    lengths = [(f"record seq {c['seq']} (prompt + completion)", len(c["prompt_ids"]) + len(c["completion_ids"]))
+               for c in records]
     if args.command == "probe":
-        sequences = len(records) if records is not None else options.prompts * options.samples
-        for name in ("split_sequences", "decode_sequences", "batch_sequences"):
-            asked = getattr(options, name)
-            if asked is not None and asked > sequences:
-                raise InputError(f"--{name.replace('_', '-')} {asked}: the probe has {sequences} sequences "
-                                 f"({'the completions file' if completions else '--prompts x --samples'})")
-    if completions:
-        check_token_ids(records, int(config.vocab_size), completions)
-        lengths = [(f"record seq {c['seq']} (prompt + completion)", len(c["prompt_ids"]) + len(c["completion_ids"]))
-                   for c in records]
-        if args.command == "probe":
-            check_lengths(lengths, options.max_model_len, f"completions {completions}",
-                          "; raise --max-model-len" + (f" (up to the model's max_position_embeddings, {limit})"
-                                                       if limit else ""))
-        if args.command == "attribute":
-            from rpa.sides.engine import engine_context
+        check_lengths(lengths, options.max_model_len, f"completions {completions}",
+                      "; raise --max-model-len" + (f" (up to the model's max_position_embeddings, {limit})"
+                                                   if limit else ""))
+    if args.command == "attribute":
+        from rpa.sides.engine import engine_context
 
-            check_lengths(lengths[: options.sequences], engine_context(config), f"completions {completions}")
-    if args.command == "diagnose":
-        from rpa.measure.diagnose import check_sequences
+        check_lengths(lengths[: options.sequences], engine_context(config), f"completions {completions}")
 
-        check_sequences(_sequences(args), config, completions)  # as many as asked, each within the context
-    # the checks that import vLLM (seconds) come after every check the inputs alone decide
-    numerics.check_device()
-    if args.command == "probe" and not completions:
-        options.check_engine_bounds()
-    check_output(args.out, "file" if args.command == "parity" else "dir",
-                 inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
+
+def _check_recorded(args: argparse.Namespace, numerics, options, completions) -> None:
+    """An output directory holding a result made with other options is refused (unless ``--replace``)."""
     from rpa.core.outdir import check_options
 
-    checked = Checked(numerics=numerics, options=options)
-    if getattr(args, "replace", False):
-        return checked  # the earlier output gives way (rpa.core.outdir.claim)
     if args.command == "probe":
         from rpa.measure.probe import recorded_options
 
@@ -522,6 +552,41 @@ def _check_inputs(args: argparse.Namespace) -> Checked:
         from rpa.measure.attribution import recorded_options
 
         check_options(args.out, "attribute", recorded_options(args.model, numerics, completions, options))
+
+
+def _check_measurement(args: argparse.Namespace) -> Checked:
+    """parity, probe, diagnose, attribute: the numerics and options, the model, the completions, the device and
+    engine bounds (the checks that import vLLM last), the output and the options an earlier result recorded."""
+    from rpa.measure.inputs import check_model, check_output
+
+    numerics = _parity_numerics(args) if args.command == "parity" else _numerics(args)
+    options = _measurement_options(args, numerics)
+    config = check_model(args.model)
+    completions = getattr(args, "completions", None)
+    if args.command == "probe":
+        _check_probe_against_model(options, config, completions)
+    records = None
+    if completions:
+        from rpa.measure.scoring import load_completions
+
+        records = load_completions(completions)
+    if args.command == "probe":
+        _check_sequence_counts(options, completions, records)
+    if completions:
+        _check_completions(args, options, config, completions, records)
+    if args.command == "diagnose":
+        from rpa.measure.diagnose import check_sequences
+
+        check_sequences(_sequences(args), config, completions)  # as many as asked, each within the context
+    # the checks that import vLLM (seconds) come after every check the inputs alone decide
+    numerics.check_device()
+    if args.command == "probe" and not completions:
+        options.check_engine_bounds()
+    check_output(args.out, "file" if args.command == "parity" else "dir",
+                 inputs=tuple(x for x in (args.model, completions) if x), command=args.command)
+    checked = Checked(numerics=numerics, options=options)
+    if not getattr(args, "replace", False):  # else the earlier output gives way (rpa.core.outdir.claim)
+        _check_recorded(args, numerics, options, completions)
     return checked
 
 

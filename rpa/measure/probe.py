@@ -227,10 +227,12 @@ def recorded_options(model: str, numerics: NumericsConfig, options: ProbeOptions
 def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options: ProbeOptions = ProbeOptions(),
               completions_path: str | Path | None = None, replace: bool = False) -> dict[str, Any]:
     """Run the probe; writes ``options.json``, ``summary.json``, ``tokens.csv`` (and ``completions.jsonl``);
-    ``replace``: :func:`rpa.core.outdir.claim`."""
-    from transformers import AutoConfig, AutoTokenizer
+    ``replace``: :func:`rpa.core.outdir.claim`. The phases: the sampler's side (:func:`_sampler_side`: vLLM
+    samples or takes the completions and scores them), the trainer's (:func:`_trainer_side`: the same tokens
+    one sequence at a time, in a padded batch, by KV-cached decoding and for the sampling split), the per-token
+    table (:func:`_token_rows`) and the summary (:func:`_probe_summary`)."""
+    from transformers import AutoConfig
 
-    from rpa.sides.engine import close_llm, make_llm, release_memory
     from rpa.core.outdir import claim
     from rpa.core.provenance import provenance
 
@@ -241,9 +243,38 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         return done
     t0 = time.time()
     started = provenance(model)  # the code that ran is the code at the start
-    hf_config = AutoConfig.from_pretrained(model)
-    vocab = int(hf_config.vocab_size)
+    vocab = int(AutoConfig.from_pretrained(model).vocab_size)
     full = vocab <= options.full_kl_max_vocab
+    sampler = _sampler_side(model, numerics, options, completions_path, out, vocab, full)
+    trainer = _trainer_side(model, numerics, options, sampler, full)
+    rows = _token_rows(sampler, trainer, full)
+    summary = _probe_summary(rows, sampler, trainer, options, full, vocab, out)
+    if completions_path is None:
+        summary["decode_vs_prompt_logprobs"] = _pair_stats([r["logp_decode"] for r in rows],
+                                                           [r["logp_sampler"] for r in rows])
+    summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
+                         "mode": "compiled" if options.compiled else "eager",
+                         "completions": str(completions_path) if completions_path else "sampled",
+                         "trainer": trainer["record"], "vocab_size": vocab}
+    summary["provenance"] = started
+    summary["wall_s"] = round(time.time() - t0, 2)
+    with atomic_path(out / "tokens.csv") as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_json(out / "summary.json", summary)  # atomic, and last: a probe with a summary is whole
+    _log(f"done in {summary['wall_s']} s -> {out}")
+    return summary
+
+
+def _sampler_side(model: str, numerics: NumericsConfig, options: ProbeOptions, completions_path, out: Path,
+                  vocab: int, full: bool) -> dict[str, Any]:
+    """vLLM's side: the completions (sampled and saved, or read), their sampler logprobs (and full distributions
+    where the vocabulary is small enough), the sampling split's sampler tokens; the engine closed after."""
+    from transformers import AutoTokenizer
+
+    from rpa.sides.engine import close_llm, make_llm, release_memory
+
     _log(f"{model}: {numerics.to_dict()}; starting vLLM ({'compiled' if options.compiled else 'eager'})")
     sampling = options.sampling
     llm = make_llm(model, numerics, enforce_eager=not options.compiled, seed=options.seed,
@@ -266,15 +297,25 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     del llm
     release_memory()
     _log("vLLM scoring done and engine closed; trainer side")
+    return {"completions": completions, "mu": mu, "mu_dist": mu_dist, "split": split, "smp_split": smp_split}
+
+
+def _trainer_side(model: str, numerics: NumericsConfig, options: ProbeOptions, sampler: dict[str, Any],
+                  full: bool) -> dict[str, Any]:
+    """The trainer's side on the sampler's very tokens: one sequence at a time (logprob, entropy, and the full
+    KL where the vocabulary allows), the padded batch as TRL lays it out, the split's recompute at the sampling
+    temperature, KV-cached decoding; the alignment's record taken before its patch comes off."""
+    from transformers import AutoTokenizer
 
     from rpa.sides.trainer import load_trainer_model, trainer_context
 
+    completions, split = sampler["completions"], sampler["split"]
     hf, alignment = load_trainer_model(numerics, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pi, pi_kl, pi_entropy = [], [], []
     with trainer_context(numerics):
-        for c, dist in zip(completions, mu_dist or [None] * len(completions)):
+        for c, dist in zip(completions, sampler["mu_dist"] or [None] * len(completions)):
             picked, entropy, pi_dist = trainer_token_stats(hf, c["prompt_ids"], c["completion_ids"], full=full)
             if full:
                 pi_kl.append(full_kl(dist, pi_dist))
@@ -283,29 +324,43 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
         batch = completions[: options.batch_sequences]  # None: every sequence
         pi_batch = trainer_batch_logprobs(hf, batch, pad_id) + [[math.nan] * len(c["completion_ids"])
                                                                  for c in completions[len(batch):]]
-        trn_split = [trainer_recompute_logprobs(hf, c["prompt_ids"], c["completion_ids"], sampling.temperature)
-                     for c in split]
+        trn_split = [trainer_recompute_logprobs(hf, c["prompt_ids"], c["completion_ids"],
+                                                options.sampling.temperature) for c in split]
         decoded = completions[: options.decode_sequences or 0]
         pi_decode = [trainer_decode_logprobs(hf, c["prompt_ids"], c["completion_ids"]) for c in decoded] + \
             [[math.nan] * len(c["completion_ids"]) for c in completions[len(decoded):]]
-    trainer_record = alignment.describe()  # the trainer that scored the tokens, before the patch comes off
+    record = alignment.describe()  # the trainer that scored the tokens, before the patch comes off
     alignment.remove()
+    return {"pi": pi, "pi_kl": pi_kl, "pi_entropy": pi_entropy, "batch": batch, "pi_batch": pi_batch,
+            "trn_split": trn_split, "decoded": decoded, "pi_decode": pi_decode, "record": record}
 
+
+def _token_rows(sampler: dict[str, Any], trainer: dict[str, Any], full: bool) -> list[dict[str, Any]]:
+    """One row per completion token (``tokens.csv``'s columns)."""
     rows = []
-    for i, c in enumerate(completions):
+    mu, pi, pi_batch, pi_decode = sampler["mu"], trainer["pi"], trainer["pi_batch"], trainer["pi_decode"]
+    for i, c in enumerate(sampler["completions"]):
         decode = c.get("logp_decode")
         for j, tok in enumerate(c["completion_ids"]):
             rows.append({"seq": c["seq"], "position": j, "token_id": tok, "logp_trainer": pi[i][j],
                          "logp_sampler": mu[i][j], "p_sampler": math.exp(mu[i][j]),
                          "logp_trainer_batch": "" if math.isnan(pi_batch[i][j]) else pi_batch[i][j],
                          "logp_decode": "" if decode is None else decode[j],
-                         "full_kl": float(pi_kl[i][j]) if full else "", "entropy_trainer": pi_entropy[i][j],
+                         "full_kl": float(trainer["pi_kl"][i][j]) if full else "",
+                         "entropy_trainer": trainer["pi_entropy"][i][j],
                          "logp_trainer_decode": "" if math.isnan(pi_decode[i][j]) else pi_decode[i][j]})
+    return rows
+
+
+def _probe_summary(rows: list[dict[str, Any]], sampler: dict[str, Any], trainer: dict[str, Any],
+                   options: ProbeOptions, full: bool, vocab: int, out: Path) -> dict[str, Any]:
+    """The summary's measurements: the mismatch metrics, the entropy, the full KL (or why not), the trainer's own
+    batch and decode variance, the sampling split (and ``split.csv``)."""
     col = lambda name: [r[name] for r in rows]  # noqa: E731
     metrics = mismatch_metrics(col("logp_trainer"), col("logp_sampler"), col("seq"), options.ratio_band)
     summary: dict[str, Any] = {"schema": SCHEMA, **metrics, "entropy": float(np.mean(col("entropy_trainer")))}
     if full:
-        kl = np.concatenate(pi_kl)
+        kl = np.concatenate(trainer["pi_kl"])
         summary.update(full_kl=float(kl.mean()), full_kl_max=float(kl.max()),
                        full_kl_note=f"exact KL(mu||pi) over all {vocab} vocabulary entries, mean over positions")
     else:
@@ -314,34 +369,21 @@ def run_probe(model: str, numerics: NumericsConfig, out_dir: str | Path, options
     in_batch = [r for r in rows if r["logp_trainer_batch"] != ""]  # the sequences of the padded batch
     batched = lambda name: [r[name] for r in in_batch]  # noqa: E731
     summary["trainer_batch_variance"] = {
-        "batch_size": len(batch),
+        "batch_size": len(trainer["batch"]),
         "batch_vs_single": _pair_stats(batched("logp_trainer_batch"), batched("logp_trainer")),
         "batch_vs_sampler": _pair_stats(batched("logp_trainer_batch"), batched("logp_sampler")),
     }
-    if decoded:
+    if trainer["decoded"]:
         in_decode = [r for r in rows if r["logp_trainer_decode"] != ""]
         of = lambda name: [r[name] for r in in_decode]  # noqa: E731
         summary["trainer_decode_variance"] = {
-            "sequences": len(decoded), "tokens": len(in_decode),
+            "sequences": len(trainer["decoded"]), "tokens": len(in_decode),
             "decode_vs_single": _pair_stats(of("logp_trainer_decode"), of("logp_trainer")),
             "decode_vs_sampler": _pair_stats(of("logp_trainer_decode"), of("logp_sampler")),
         }
+    split = sampler["split"]
     if split:
-        split_table = split_rows(split, trn_split, smp_split, sampling)  # made once: the summary and split.csv
-        summary["sampling_split"] = sampling_split(split_table, len(split), sampling, options.ratio_band)
-        write_split_tokens(out / "split.csv", split_table)
-    if completions_path is None:
-        summary["decode_vs_prompt_logprobs"] = _pair_stats(col("logp_decode"), col("logp_sampler"))
-    summary["config"] = {"model": str(model), "numerics": numerics.to_dict(), "options": asdict(options),
-                         "mode": "compiled" if options.compiled else "eager",
-                         "completions": str(completions_path) if completions_path else "sampled",
-                         "trainer": trainer_record, "vocab_size": vocab}
-    summary["provenance"] = started
-    summary["wall_s"] = round(time.time() - t0, 2)
-    with atomic_path(out / "tokens.csv") as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(TOKEN_COLUMNS))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_json(out / "summary.json", summary)  # atomic, and last: a probe with a summary is whole
-    _log(f"done in {summary['wall_s']} s -> {out}")
+        split_table = split_rows(split, trainer["trn_split"], sampler["smp_split"], options.sampling)
+        summary["sampling_split"] = sampling_split(split_table, len(split), options.sampling, options.ratio_band)
+        write_split_tokens(out / "split.csv", split_table)  # made once: the summary and split.csv
     return summary

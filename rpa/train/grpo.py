@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,55 @@ def _claim_rendezvous_port() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
+@dataclass
+class _Run:
+    """What the phases of one run (:func:`run_train`) share."""
+
+    cfg: TrainConfig
+    out: Path
+    main: bool
+    """Rank 0 (under accelerate launch): it owns the run directory's files."""
+    t0: float = 0.0
+    timings: Any = None
+    setup_start: float = 0.0
+    started: dict[str, Any] = field(default_factory=dict)
+    """The provenance taken at the start: the code that ran, the model it trained."""
+    task: Any = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
+    dropped: int = 0
+    resume: Path | None = None
+    resume_step: int = 0
+
+    @property
+    def cfg_path(self) -> Path:
+        return self.out / "config.json"
+
+    @property
+    def init_dir(self) -> Path:
+        return self.out / "init_model"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    @property
+    def eval_path(self) -> Path:
+        return self.out / "eval.jsonl"
+
+
+@dataclass
+class _Outcome:
+    """How the training phase ended: its error (None when it finished), the model and trainer it built, the
+    alignment's description and TRL's settings."""
+
+    error: BaseException | None = None
+    model: Any = None
+    trainer: Any = None
+    described: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None
+
+
 def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float | None = None) -> dict[str, Any]:
     """Run (or resume) the GRPO run ``cfg`` in ``out_dir``; returns the summary.
 
@@ -227,145 +277,196 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     (:class:`~rpa.train.engine_pool.EnginePool`) keeps the run's vLLM engine for the next run
     of the process (:func:`run_trains`); ``after`` (a ``time.time()``) is when the previous run of
     the process ended, from which this run's start-up is counted (default: the process start).
+
+    The phases, each its own function: the run directory (:func:`_open_run`), the task
+    (:func:`_prepare_task`), the warm-started model both engines load (:func:`_prepare_init`), where to
+    resume (:func:`_resume_point`), training (:func:`_train`) and the summary (:func:`_finish`).
     """
-    out = Path(out_dir)
+    run = _open_run(cfg, Path(out_dir))
+    done = finished_summary(run.out, cfg)
+    if done is not None:
+        _log(f"{run.out} already finished ({cfg.steps} steps, {done['steps']} logged, status {done['status']}); "
+             f"nothing to do")
+        return done
+    _start_clock(run, after)
+    _prepare_task(run)
+    _prepare_init(run)
+    _resume_point(run)
+    if run.resume_step >= cfg.steps:  # killed after its last checkpoint: only the summary is missing
+        _log(f"{run.resume.name} holds all {cfg.steps} steps; writing the summary without training")
+        outcome = _Outcome(described={"note": f"summary written from {run.resume.name}; no training in this "
+                                              f"invocation"})
+    else:
+        outcome = _train(run, engines)
+    return _finish(run, outcome)
+
+
+def _open_run(cfg: TrainConfig, out: Path) -> _Run:
+    """The run directory: made, locked by rank 0 for the life of the process, and refused where it holds a run
+    of another config."""
     out.mkdir(parents=True, exist_ok=True)
-    main = rank() == 0  # under accelerate launch: rank 0 owns the run directory's files
-    if main:
+    run = _Run(cfg=cfg, out=out, main=rank() == 0)
+    if run.main:
         lock_run_dir(out)  # held until this process ends
-    if not main:
+    if not run.main:
         _log(f"joining the run in {out} (rank 0 owns its files)")
-    cfg_path = out / "config.json"
-    if cfg_path.exists():
-        differs = config_diff(read_record(cfg_path), cfg)
+    if run.cfg_path.exists():
+        differs = config_diff(read_record(run.cfg_path), cfg)
         if differs:
             raise RunDirectoryBusy(f"{out} holds a run with a different config ({'; '.join(differs[:5])}"
                                    f"{'; ...' if len(differs) > 5 else ''}); use a new directory")
-    done = finished_summary(out, cfg)
-    if done is not None:
-        _log(f"{out} already finished ({cfg.steps} steps, {done['steps']} logged, status {done['status']}); "
-             f"nothing to do")
-        return done
-    t0 = time.time()
+    return run
+
+
+def _start_clock(run: _Run, after: float | None) -> None:
+    """The run's clock, its timings (the process's start-up, or since the previous run of the process) and the
+    provenance taken now."""
     from rpa.core.provenance import provenance
     from rpa.core.timing import Timings, process_age_s
 
-    timings = Timings()
-    setup_start = time.perf_counter()
-    age = process_age_s() if after is None else t0 - after
+    run.t0 = time.time()
+    run.timings = Timings()
+    run.setup_start = time.perf_counter()
+    age = process_age_s() if after is None else run.t0 - after
     if age is not None:
-        timings.add("process_start_to_run", age)  # interpreter start, imports, CLI (or since the previous run)
+        run.timings.add("process_start_to_run", age)  # interpreter start, imports, CLI (or since the previous run)
+    run.started = provenance(run.cfg.model)  # the code that ran is the code at the start; the model it trained
 
-    started = provenance(cfg.model)  # the code that ran is the code at the start; the model it trained
 
+def _prepare_task(run: _Run) -> None:
+    """The task's training and evaluation prompts as the model's chat template renders them, those too long
+    dropped; refused where too few are left to fill one generation."""
     from transformers import AutoTokenizer
 
-    from rpa.sides.engine import make_llm_env
     from rpa.train.tasks import build_task, render_rows
 
-    task = build_task(cfg.task)
+    cfg = run.cfg
+    run.task = build_task(cfg.task)
     source_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     # chat-format prompts as the text of the model's chat template: what vLLM, TRL, the warm start,
     # the sync probe and the evaluation all see
-    rows, dropped = filter_prompts(render_rows(task.rows, source_tokenizer), source_tokenizer, cfg.max_prompt_length)
-    eval_rows, _ = filter_prompts(render_rows(task.eval_rows, source_tokenizer), source_tokenizer,
-                                  cfg.max_prompt_length)
-    if dropped:
-        _log(f"dropped {dropped} prompt(s) longer than max_prompt_length={cfg.max_prompt_length} tokens")
-    if not rows:
+    run.rows, run.dropped = filter_prompts(render_rows(run.task.rows, source_tokenizer), source_tokenizer,
+                                           cfg.max_prompt_length)
+    run.eval_rows, _ = filter_prompts(render_rows(run.task.eval_rows, source_tokenizer), source_tokenizer,
+                                      cfg.max_prompt_length)
+    if run.dropped:
+        _log(f"dropped {run.dropped} prompt(s) longer than max_prompt_length={cfg.max_prompt_length} tokens")
+    if not run.rows:
         raise TrainConfigError(f"max_prompt_length: every prompt of the task is longer than {cfg.max_prompt_length} "
                                f"tokens")
-    if len(rows) < cfg.prompts_per_step * cfg.updates_per_generation:
-        raise TrainConfigError(f"task: {len(rows)} usable prompts cannot fill one generation of "
+    if len(run.rows) < cfg.prompts_per_step * cfg.updates_per_generation:
+        raise TrainConfigError(f"task: {len(run.rows)} usable prompts cannot fill one generation of "
                                f"{cfg.prompts_per_step * cfg.updates_per_generation} (prompts_per_step x "
                                f"updates_per_generation); the run would train nothing")
-    init_dir = out / "init_model"
-    if main:
-        if not cfg_path.exists():
-            tmp = cfg_path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            tmp.rename(cfg_path)  # atomic: other ranks may read it
-        if not (init_dir / "config.json").exists():  # also after a kill between config.json and init_model
-            _log(f"preparing {init_dir} (warm start: {cfg.warm_start.steps} steps)")
-            with timings.phase("init_model"):  # the warm start, and the BF16 checkpoint both engines load
-                prepare_init_model(cfg, rows, init_dir)
+
+
+def _prepare_init(run: _Run) -> None:
+    """``config.json`` (atomically: other ranks read it) and ``init_model``, the warm-started BF16 checkpoint both
+    engines load, by rank 0; the other ranks wait for it."""
+    if run.main:
+        if not run.cfg_path.exists():
+            tmp = run.cfg_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(run.cfg.to_dict(), indent=2) + "\n")
+            tmp.rename(run.cfg_path)  # atomic: other ranks may read it
+        if not (run.init_dir / "config.json").exists():  # also after a kill between config.json and init_model
+            _log(f"preparing {run.init_dir} (warm start: {run.cfg.warm_start.steps} steps)")
+            with run.timings.phase("init_model"):  # the warm start, and the BF16 checkpoint both engines load
+                prepare_init_model(run.cfg, run.rows, run.init_dir)
     else:
-        wait_for(init_dir / "config.json", rank(), _log)
+        wait_for(run.init_dir / "config.json", rank(), _log)
 
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from rpa.train.collapse import run_verdict
-
-    metrics_path = out / "metrics.jsonl"
-    resume = resumable_checkpoint(out, metrics_path)
-    if resume != latest_checkpoint(out):
-        _log(f"metrics.jsonl lacks a step {latest_checkpoint(out).name} had logged (its last line cut by a kill): "
-             f"resuming from {resume.name if resume else 'the start'} instead")
-    resume_step = int(resume.name.split("-")[-1]) if resume else 0
-    eval_path = out / "eval.jsonl"
-    kept = truncate_metrics(metrics_path, min(resume_step, cfg.steps)) if main else 0
-    if main and resume_step < cfg.steps:  # an evaluation at step k runs before checkpoint k is written
-        truncate_metrics(eval_path, resume_step if resume else -1)
+def _resume_point(run: _Run) -> None:
+    """Where the run resumes: its newest checkpoint whose steps the metrics log holds; the metrics and evaluation
+    logs cut back to it (by rank 0)."""
+    resume = resumable_checkpoint(run.out, run.metrics_path)
+    if resume != latest_checkpoint(run.out):
+        _log(f"metrics.jsonl lacks a step {latest_checkpoint(run.out).name} had logged (its last line cut by a "
+             f"kill): resuming from {resume.name if resume else 'the start'} instead")
+    run.resume, run.resume_step = resume, int(resume.name.split("-")[-1]) if resume else 0
+    kept = truncate_metrics(run.metrics_path, min(run.resume_step, run.cfg.steps)) if run.main else 0
+    if run.main and run.resume_step < run.cfg.steps:  # an evaluation at step k runs before checkpoint k is written
+        truncate_metrics(run.eval_path, run.resume_step if resume else -1)
     if resume:
         _log(f"resuming from {resume.name} ({kept} logged steps kept)")
-    error, model, trainer, described, settings = None, None, None, None, None
-    if resume_step >= cfg.steps:  # killed after its last checkpoint: only the summary is missing
-        _log(f"{resume.name} holds all {cfg.steps} steps; writing the summary without training")
-        described = {"note": f"summary written from {resume.name}; no training in this invocation"}
-    else:
-        # the engine starts in the trainer's constructor: a failure there (vLLM out of memory) is a run's
-        # failure too, with its summary
+
+
+def _build_trainer(run: _Run, model, tokenizer, args, probe: list[int], engines):
+    """TRL's trainer (its constructor starts the vLLM engine), built again with another port where the one
+    claimed was taken before vLLM bound it (single-process runs only)."""
+    import datasets
+
+    from rpa.train.trl_adapter import RpaGRPOTrainer
+
+    callbacks = [_metrics_callback(run.metrics_path, {"data/prompts_dropped_too_long": run.dropped})]
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
         try:
-            make_llm_env(cfg.numerics, multiprocess=False)
+            return RpaGRPOTrainer(model=model, reward_funcs=run.task.reward, args=args, timings=run.timings,
+                                  train_dataset=datasets.Dataset.from_list(run.rows), processing_class=tokenizer,
+                                  callbacks=callbacks, rpa_config=run.cfg, probe_ids=probe, engines=engines,
+                                  task=run.task, eval_rows=run.eval_rows, eval_path=run.eval_path)
+        except Exception as err:  # noqa: BLE001 - only a lost race for the port is retried
+            if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS or world_size() > 1:
+                raise
+            _log(f"the rendezvous port was taken between claiming and binding it (attempt {attempt}): "
+                 f"claiming another")
+            os.environ["MASTER_PORT"] = "0"
             _claim_rendezvous_port()
-            tokenizer = AutoTokenizer.from_pretrained(init_dir)
-            model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32,  # FP32 masters
-                                                         attn_implementation=cfg.attn_implementation)
-            from rpa.sides.trainer import align_model
+    raise AssertionError("unreachable: the last attempt raises")
 
-            alignment = align_model(model, cfg.numerics)
-            described = alignment.describe()
-            probe = tokenizer(rows[0]["prompt"] + " " + rows[0]["answer"], add_special_tokens=False).input_ids
-            probe_tokens = cfg.sync_check.probe_tokens
-            probe = (probe * (probe_tokens // max(len(probe), 1) + 1))[:probe_tokens]
-            from rpa.train.trl_adapter import RpaGRPOTrainer, grpo_args, grpo_settings
 
-            args = grpo_args(cfg, out)
-            settings = grpo_settings(args)
-            trainer_init = time.perf_counter()
-            # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
-            timings.add("run_setup", trainer_init - setup_start - timings.seconds.get("init_model", 0.0))
-            callbacks = [_metrics_callback(metrics_path, {"data/prompts_dropped_too_long": dropped})]
-            for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
-                try:
-                    trainer = RpaGRPOTrainer(model=model, reward_funcs=task.reward, args=args, timings=timings,
-                                             train_dataset=datasets.Dataset.from_list(rows),
-                                             processing_class=tokenizer, callbacks=callbacks, rpa_config=cfg,
-                                             probe_ids=probe, engines=engines, task=task, eval_rows=eval_rows,
-                                             eval_path=eval_path)
-                    break
-                except Exception as err:  # noqa: BLE001 - only a lost race for the port is retried
-                    if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS or world_size() > 1:
-                        raise
-                    _log(f"the rendezvous port was taken between claiming and binding it (attempt {attempt}): "
-                         f"claiming another")
-                    os.environ["MASTER_PORT"] = "0"
-                    _claim_rendezvous_port()
-            timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
-            with timings.phase("train"):
-                trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-            if cfg.eval_every and eval_rows and trainer.rpa_last_eval_step != cfg.steps:
-                if cfg.rollouts == "vllm":
-                    trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
-                trainer.rpa_evaluate(cfg.steps)
-        except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
-            error = err
-            if engines is not None:
-                engines.drop()  # an engine a run failed in is not handed to the next one
-    nonfinite_weights = model is not None and _any_nonfinite(model)  # every rank takes part (FSDP2 shards)
-    if not main:
+def _train(run: _Run, engines) -> _Outcome:
+    """Train: the engine environment, the FP32 master model aligned by the run's numerics, the trainer and its
+    engine, the steps from the resume point, the final evaluation. Any failure -- the engine's start included
+    (vLLM out of memory) -- is the run's, kept for its summary."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rpa.sides.engine import make_llm_env
+
+    cfg, outcome = run.cfg, _Outcome()
+    try:
+        make_llm_env(cfg.numerics, multiprocess=False)
+        _claim_rendezvous_port()
+        tokenizer = AutoTokenizer.from_pretrained(run.init_dir)
+        outcome.model = AutoModelForCausalLM.from_pretrained(run.init_dir, dtype=torch.float32,  # FP32 masters
+                                                             attn_implementation=cfg.attn_implementation)
+        from rpa.sides.trainer import align_model
+
+        outcome.described = align_model(outcome.model, cfg.numerics).describe()
+        probe = tokenizer(run.rows[0]["prompt"] + " " + run.rows[0]["answer"], add_special_tokens=False).input_ids
+        probe_tokens = cfg.sync_check.probe_tokens
+        probe = (probe * (probe_tokens // max(len(probe), 1) + 1))[:probe_tokens]
+        from rpa.train.trl_adapter import grpo_args, grpo_settings
+
+        args = grpo_args(cfg, run.out)
+        outcome.settings = grpo_settings(args)
+        trainer_init = time.perf_counter()
+        # provenance, imports of the training stack, task, tokenizers, the trainer model (less any warm start)
+        run.timings.add("run_setup", trainer_init - run.setup_start - run.timings.seconds.get("init_model", 0.0))
+        outcome.trainer = trainer = _build_trainer(run, outcome.model, tokenizer, args, probe, engines)
+        run.timings.add("trainer_and_engine_start", time.perf_counter() - trainer_init)  # vLLM start + compile
+        with run.timings.phase("train"):
+            trainer.train(resume_from_checkpoint=str(run.resume) if run.resume else None)
+        if cfg.eval_every and run.eval_rows and trainer.rpa_last_eval_step != cfg.steps:
+            if cfg.rollouts == "vllm":
+                trainer.vllm_generation.sync_weights()  # the final weights, checked like every sync
+            trainer.rpa_evaluate(cfg.steps)
+    except Exception as err:  # noqa: BLE001 - recorded in the summary, then re-raised unless it is a collapse
+        outcome.error = err
+        if engines is not None:
+            engines.drop()  # an engine a run failed in is not handed to the next one
+    return outcome
+
+
+def _finish(run: _Run, outcome: _Outcome) -> dict[str, Any]:
+    """The run's verdict and summary (by rank 0, atomically), its checkpoints dropped where it ended and does not
+    keep them; the training error re-raised unless it is the run's outcome (a collapse, a divergence)."""
+    from rpa.train.collapse import run_verdict
+
+    cfg, error, trainer = run.cfg, outcome.error, outcome.trainer
+    nonfinite_weights = outcome.model is not None and _any_nonfinite(outcome.model)  # every rank (FSDP2 shards)
+    if not run.main:
         if error is not None:
             raise error
         return {"schema": SUMMARY_SCHEMA, "rank": rank(), "status": "ok", "note": "rank 0 writes the summary"}
@@ -378,25 +479,27 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, engines=None, after: float 
     if nonfinite_weights and error is not None:
         stopped = {"status": "collapsed", "collapse_step": trainer.state.global_step,
                    "collapse_reason": f"non-finite weights; run stopped: {error}"}
-    verdict = {"collapsed": False, **run_verdict(read_metrics(metrics_path), cfg.collapse, stopped)}
-    evals = read_metrics(eval_path)
+    verdict = {"collapsed": False, **run_verdict(read_metrics(run.metrics_path), cfg.collapse, stopped)}
+    evals = read_metrics(run.eval_path)
     if evals:
         verdict.update(final_eval_accuracy=evals[-1]["eval/accuracy"], final_eval_reward=evals[-1]["eval/reward"],
                        final_eval_step=evals[-1]["step"])
     summary = {"schema": SUMMARY_SCHEMA, **verdict,
                "status": "ok" if error is None else "diverged" if diverged else "collapsed" if blew_up else "error",
-               "error": None if error is None else repr(error), "resumed_from": resume.name if resume else None,
-               "wall_s": round(time.time() - t0, 1), "config": cfg.to_dict(), "trainer": described,
-               "grpo": settings, "timings": timings.as_dict(), "prompts_dropped_too_long": dropped,
-               "engine_taken_over": bool(getattr(trainer, "rpa_engine_taken_over", False)), "provenance": started}
+               "error": None if error is None else repr(error),
+               "resumed_from": run.resume.name if run.resume else None,
+               "wall_s": round(time.time() - run.t0, 1), "config": cfg.to_dict(), "trainer": outcome.described,
+               "grpo": outcome.settings, "timings": run.timings.as_dict(), "prompts_dropped_too_long": run.dropped,
+               "engine_taken_over": bool(getattr(trainer, "rpa_engine_taken_over", False)),
+               "provenance": run.started}
     try:
-        write_json(out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
+        write_json(run.out / "summary.json", summary, allow_nan=True)  # atomic: a kill never leaves half a summary
     except OSError:
         if error is None:
             raise
         raise error from None  # the run's own failure (e.g. a checkpoint it could not write), not the summary's
     if not cfg.keep_checkpoints and (error is None or blew_up):
-        drop_checkpoints(out)  # after the summary: a kill in between leaves a finished run with its checkpoints
+        drop_checkpoints(run.out)  # after the summary: a kill in between leaves a finished run with its checkpoints
     if error is not None and not blew_up:
         raise error
     return summary
