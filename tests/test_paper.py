@@ -47,7 +47,7 @@ def _committed(path):
 def test_claims_state_the_collapse_rule_of_the_runs_thresholds(tmp_path):
     _committed(REFERENCE / "study/manifest.json")
     from analysis.latex import escape
-    from analysis.paper import write_claims
+    from analysis.paper.claims import write_claims
     from rpa.train.collapse import rule_text
 
     write_claims(REFERENCE, tmp_path, {"dose": [DOSE]})
@@ -85,7 +85,7 @@ def _fake_study(root, cells, collapse_of):
 
 
 def test_runs_judged_with_different_thresholds_get_one_rule_each_with_their_runs(tmp_path):
-    from analysis.paper import dose_rule, study_rule
+    from analysis.paper.provenance import dose_rule, study_rule
     from rpa.train.collapse import CollapseThresholds, rule_text
     from rpa.workflow.manifest import manifest_text
 
@@ -217,7 +217,7 @@ def test_probe_figure_panels_follow_the_configs_model_order(tmp_path):
 
 
 def test_the_search_section_comes_from_the_committed_search(tmp_path):
-    from analysis.paper import search_section
+    from analysis.paper.search import search_section
 
     committed = REPO / "results/reference/collapse-cpu"
     _committed(committed / "tables/search_pilot.json")
@@ -243,7 +243,7 @@ def test_the_search_section_says_plainly_when_nothing_collapsed(tmp_path):
     import shutil
 
     from analysis.collapse_search import main as search
-    from analysis.paper import search_section
+    from analysis.paper.search import search_section
     from tests.test_collapse_search import _grid
 
     committed = REPO / "results/reference/collapse-cpu"
@@ -270,7 +270,7 @@ def test_the_real_model_section_comes_from_the_committed_search_and_its_decode_p
     decode-vs-recompute gap beside the trainer-vs-vLLM one, as numbers read from their summaries."""
     import shutil
 
-    from analysis.paper import real_search_section
+    from analysis.paper.search import real_search_section
 
     committed = _committed(REPO / "results/reference/collapse-smollm2")
     res = tmp_path / "search"
@@ -309,7 +309,7 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     config's alpha), each arm's mismatch, the figure; an unfinished grid is said to be unfinished and not read."""
     import shutil
 
-    from analysis.paper_search import contrast_words, effect_reading, precision_section
+    from analysis.paper.search import contrast_words, effect_reading, precision_section
 
     committed = _committed(REPO / "results/reference/precision-smollm2/tables/search_grid.json")
     grid = json.loads(committed.read_text())
@@ -337,7 +337,7 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
     assert "has not finished (3 runs left)" in text and "tab:preceffects" not in text
     assert precision_section(tmp_path / "nothing", tmp_path / "p") is None
     assert not (tmp_path / "p/precision_section.tex").exists()  # an earlier build's section is not left over
-    from analysis.paper import write_claims
+    from analysis.paper.claims import write_claims
 
     claims = write_claims(REFERENCE, tmp_path, {"dose": [DOSE], "precision": [committed.parents[1]]}).read_text() \
         .replace("\\_", "_")
@@ -352,7 +352,7 @@ def test_the_precision_section_reads_each_effect_by_the_rule_written_before_the_
 
 
 def _front_text(tmp_path, **given):
-    from analysis.paper_front import abstract, claims_rows, gather
+    from analysis.paper.front import abstract, claims_rows, gather
     from analysis.runs import MANIFEST, read_manifest
 
     manifest = read_manifest(_committed(REFERENCE / "study" / MANIFEST))
@@ -381,7 +381,7 @@ def test_the_real_model_grid_reaches_the_front_once_with_its_post_hoc_label(tmp_
 def test_claims_state_the_miniatures_findings_once_and_every_commit(tmp_path):
     """The miniature's section states both mismatch measurements of its two claims (offline and in training) and
     its insensitivity to a collapse, once; every commit the results came from is named."""
-    from analysis.paper import write_claims
+    from analysis.paper.claims import write_claims
 
     _committed(REFERENCE / "study/manifest.json")
     write_claims(REFERENCE, tmp_path, {"dose": [DOSE], "search": [_committed(SEARCH)]})
@@ -407,7 +407,7 @@ def test_main_tex_puts_the_front_first_and_places_every_float_where_it_is_input(
 
 
 def test_the_committed_search_section_has_its_figures_readable_headers_and_one_p_precision(tmp_path):
-    from analysis.paper import search_section
+    from analysis.paper.search import search_section
 
     text = search_section(_committed(SEARCH), tmp_path).read_text()
     assert "search_grid.png" in text and "search_lever.png" in text
@@ -421,7 +421,7 @@ def test_the_committed_search_section_has_its_figures_readable_headers_and_one_p
 
 
 def test_generated_dose_table_has_readable_headers(tmp_path):
-    from analysis.paper import dose_parts
+    from analysis.paper.claims import dose_parts
 
     dose_parts(_committed(DOSE), tmp_path)
     header = (tmp_path / "dose_table.tex").read_text().split("\\toprule")[1].split("\\midrule")[0]
@@ -436,7 +436,7 @@ def test_the_precision_section_says_what_the_rule_leaves_out_from_the_runs(tmp_p
     import numpy as np
 
     from analysis.collapse_stats import signed_rank_p
-    from analysis.paper_search import contrast_words, precision_section
+    from analysis.paper.search import contrast_words, precision_section
     from rpa.core.jsonfiles import read_jsonl
 
     ref = _committed(REPO / "results/reference/precision-smollm2")

@@ -13,7 +13,7 @@ R = REPO / "results/reference"
 
 
 def _committed_front():
-    from analysis.paper_front import gather
+    from analysis.paper.front import gather
     from analysis.runs import MANIFEST, read_manifest
 
     manifest = read_manifest(R / "study-cpu/study" / MANIFEST)
@@ -24,7 +24,7 @@ def _committed_front():
 
 
 def test_numbers_are_what_a_reader_meets_as_numbers():
-    from analysis.paper_front import numbers, words
+    from analysis.paper.front import numbers, words
 
     text = "SmolLM2-135M-Instruct in BF16 and Qwen3: -3.7% [-6.9, -0.1], 25x stock, 0 of 44 runs; 1,024 tokens."
     assert numbers(text) == ["-3.7%", "-6.9", "-0.1", "25x", "0", "44", "1,024"]
@@ -36,7 +36,7 @@ def test_the_abstract_is_short_and_quotes_the_committed_tables():
     probe's changes (AMD reference), the stock BF16 collapse counts summed over every experiment, the post-hoc and
     pre-registered learning-gain shifts with their exact intervals, the positive control's ratio."""
     from analysis.dose_stats import anchor_positions, thresholds
-    from analysis.paper_front import ABSTRACT_NUMBERS, ABSTRACT_WORDS, abstract, numbers, words
+    from analysis.paper.front import ABSTRACT_NUMBERS, ABSTRACT_WORDS, abstract, numbers, words
 
     text = abstract(_committed_front())
     assert words(text) <= ABSTRACT_WORDS == 250 and len(numbers(text)) <= ABSTRACT_NUMBERS == 25, (words(text),
@@ -78,7 +78,7 @@ def test_the_claims_table_judges_each_claim_by_its_sections_rule():
     """Collapse claims are untestable without a collapsing baseline; a probe change holds only with its interval
     below zero; an effect is answered by its written reading; the unrun dose-response is said not run; a verdict
     outside the vocabulary is refused."""
-    from analysis.paper_front import ClaimRow, Front, Interval, claims_rows, claims_table
+    from analysis.paper.front import ClaimRow, Front, Interval, claims_rows, claims_table
 
     rows = {r.claim: r for r in claims_rows(_committed_front())}
     collapse = rows["Aligning RoPE, SwiGLU and add+RMSNorm prevents BF16 collapse"]
@@ -104,7 +104,7 @@ def test_the_readme_findings_fit_one_screen_and_quote_the_committed_tables():
     of a line each, and each finding's number the one the paper's front reads from the committed tables."""
     import re
 
-    from analysis.paper_front import abstract, claims_rows
+    from analysis.paper.front import abstract, claims_rows
 
     readme = (REPO / "README.md").read_text()
     head, _, rest = readme.partition("## Findings\n")

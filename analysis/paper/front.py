@@ -22,7 +22,7 @@ import pandas as pd
 from analysis.collapse_stats import clopper_pearson
 from analysis.dose_stats import anchor_positions, thresholds
 from analysis.latex import escape
-from analysis.paper_search import effect_reading, unfinished_runs
+from analysis.paper.search import effect_reading, unfinished_runs
 from rpa.core.jsonfiles import write_text
 from rpa.workflow.paper import by_kind, first
 

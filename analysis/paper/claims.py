@@ -1,7 +1,7 @@
 """The paper's ``claims.tex`` (:func:`write_claims`; :mod:`analysis.paper` says what it holds): the study's label,
-the collapse rule and the commits the results came from (:mod:`analysis.paper_provenance`), the miniature's
+the collapse rule and the commits the results came from (:mod:`analysis.paper.provenance`), the miniature's
 mismatch claims and sensitivity in one passage (:func:`miniature_note`), the positive control's table
-(``dose_table.tex``) and threshold statements; and, through :mod:`analysis.paper_front`, the abstract and the
+(``dose_table.tex``) and threshold statements; and, through :mod:`analysis.paper.front`, the abstract and the
 claims table (``front.tex``). Each finding is said once: the front gives its key number, a section its detail.
 """
 
@@ -14,8 +14,8 @@ import pandas as pd
 from analysis.dose_stats import anchor_positions, groups, thresholds
 from analysis.dose_text import statement
 from analysis.latex import booktabs, escape, readable
-from analysis.paper_provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
-from analysis.paper_front import gather, write_front
+from analysis.paper.provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
+from analysis.paper.front import gather, write_front
 from analysis.runs import MANIFEST, read_manifest
 from rpa.workflow.paper import by_kind, first
 from rpa.core.jsonfiles import write_text
@@ -95,7 +95,7 @@ def miniature_note(results: Path, manifest: dict, dose_results: Path | None = No
 
 def write_claims(results: Path, out_dir: Path, sections: dict[str, list[Path]] | None = None) -> Path:
     """``claims.tex`` (the study's label, rule, commits, setup and miniature notes) and, beside it, ``front.tex``
-    (:mod:`analysis.paper_front`: the abstract and the claims table), from the study's ``results`` and the
+    (:mod:`analysis.paper.front`: the abstract and the claims table), from the study's ``results`` and the
     paper's further ``sections`` (kind -> directories, :func:`rpa.workflow.paper.by_kind`)."""
     sections = by_kind([]) | (sections or {})
     manifest = read_manifest(results / "study" / MANIFEST)

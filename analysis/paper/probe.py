@@ -11,7 +11,7 @@ import pandas as pd
 
 from analysis.latex import booktabs, escape
 from analysis.paired import fmt_change
-from analysis.paper_front import MOST, REAL_MODEL, cpu_words
+from analysis.paper.front import MOST, REAL_MODEL, cpu_words
 from rpa.core.jsonfiles import write_text
 
 

@@ -1,6 +1,6 @@
-"""The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper``.
+"""The paper's generated parts and its PDF: ``python -m analysis.paper --results R --out-dir R/paper`` (the command).
 
-Writes ``front.tex`` (the abstract and the claims table, :mod:`analysis.paper_front`), ``claims.tex`` (the
+Writes ``front.tex`` (the abstract and the claims table, :mod:`analysis.paper.front`), ``claims.tex`` (the
 study's label, the commit the runs came from, the collapse rule as the runs were judged by it -- written by
 :func:`rpa.train.collapse.rule_text` from the thresholds in the runs' ``config.json``, one paragraph per distinct
 set of thresholds -- the miniature's mismatch claims and sensitivity; ``\\commits``: every commit the results
@@ -10,9 +10,9 @@ config's ``paper.sections``: the real model's probe, the searches, the precision
 (searching ``out-dir``, ``R/tables`` and ``R/figures`` for the generated files). Without a
 TeX engine it says what to install and exits 1, after writing the generated parts.
 
-The parts are written by :mod:`analysis.paper_claims` (``claims.tex``, ``dose_table.tex``; the rules
-and commits from :mod:`analysis.paper_provenance`) and :mod:`analysis.paper_search` (the search
-sections); this module is the command and the PDF build.
+The parts are written by :mod:`analysis.paper.claims` (``claims.tex``, ``dose_table.tex``; the rules
+and commits from :mod:`analysis.paper.provenance`), :mod:`analysis.paper.front`, :mod:`analysis.paper.probe`
+and :mod:`analysis.paper.search` (the search sections); this module is the command and the PDF build.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from analysis.paper_claims import dose_parts, write_claims  # noqa: F401
-from analysis.paper_probe import probe_section
-from analysis.paper_provenance import dose_rule, study_rule  # noqa: F401
-from analysis.paper_search import precision_section, real_search_section, search_section
+from analysis.paper.claims import write_claims
+from analysis.paper.probe import probe_section
+from analysis.paper.search import precision_section, real_search_section, search_section
+from analysis.refusal import Refused
 from rpa.workflow.paper import SECTION_KINDS, by_kind, first, parse_section, section_inputs, sections_problem
-from analysis.refusal import Refused, run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEX_INSTALL = ("apt-get install latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended lmodern "
                "(Debian/Ubuntu), or any TeX Live with latexmk, pdflatex and booktabs")
 
@@ -89,6 +88,3 @@ def main() -> None:
     precision_section(first(sections, "precision"), args.out_dir)
     sys.exit(build(args.results, args.out_dir, sections))
 
-
-if __name__ == "__main__":
-    raise SystemExit(run(main))
