@@ -55,7 +55,7 @@ from analysis.collapse_stats import (DECIDED_STAGES, ENTROPY_BINS, MISMATCH, PHA
                                      rule_power, search_rows, sensitivity_groups, sign_test, signed_rank_interval,
                                      signed_rank_null, signed_rank_p, signed_rank_power, smallest_detectable_effect,
                                      smallest_detectable_rate)
-from analysis.dose_response import dose_response
+from analysis.dose.response import dose_response
 from analysis.refusal import run
 from analysis.runs import RUN_SETTINGS, SENSITIVITY_LABELS, flags, read_manifest, sensitivity_column  # noqa: F401
 from rpa.core.jsonfiles import atomic_path, write_text

@@ -11,7 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis import dose
+from analysis.dose import stats as dose  # the positive control's statistics
+from analysis.dose.text import statement
+from analysis.runs import SENSITIVITY_LABELS
 from rpa.train.collapse import CollapseThresholds, sensitivity, sensitivity_settings
 
 from rpa.core import numerics
@@ -203,7 +205,7 @@ def test_threshold_reports_a_profile_interval_and_the_degenerate_resamples():
     assert sep["low"] < 0.02 < sep["high"]
     no_anchors = pd.DataFrame(columns=["arm", "is_correction", "old_logprobs", "mean_abs_dlogp"])
     th = pd.DataFrame([{"is_correction": "off", "old_logprobs": "sampler", **t, "mismatch_steps": 4}])
-    line = dose.statement(th, no_anchors)[0]
+    line = statement(th, no_anchors)[0]
     assert "profile-likelihood 95% interval" in line and f"{t['bootstrap_degenerate']}/400 resamples degenerate" in line
     assert "steps 1-4" in line
 
@@ -218,7 +220,7 @@ def test_each_curve_is_compared_with_its_own_bf16_none_anchor():
                         "high": None},
                        {**base, "is_correction": "sequence_mask", "kind": "none collapsed", "collapsed": 0,
                         "estimate": None, "low": 0.08, "high": None}])
-    tis, mis = dose.statement(th, anchors)
+    tis, mis = statement(th, anchors)
     assert "BF16 none of this curve (0.002) is 20x below the estimate and 10x below" in tis  # not 0.001 (IS off)
     assert "beyond the doses tried" in tis
     assert "BF16 none of this curve 0.004" in mis and "BF16 all 0.0005 (run with IS off only)" in mis
@@ -231,7 +233,7 @@ def test_committed_anchors_exist_per_correction_and_the_statements_quote_them():
     none = anchors[anchors["arm"] == "bf16-none"].set_index(["is_correction", "old_logprobs"])["mean_abs_dlogp"]
     assert len(none) == 6
     lines = dict(zip(dose.thresholds(runs, boot=50)[["is_correction", "old_logprobs"]].apply(tuple, axis=1),
-                     dose.statement(dose.thresholds(runs, boot=50), anchors)))
+                     statement(dose.thresholds(runs, boot=50), anchors)))
     for key, value in none.items():
         if dose.invalid_setting(*key):  # IS with sampler old logprobs: marked invalid, no threshold to compare
             assert "IS correction applied twice" in lines[key]
@@ -244,7 +246,7 @@ def test_the_sensitivity_table_counts_collapses_under_every_variation(tmp_path):
     runs = dose.dose_rows(_link_runs(tmp_path, *(f"{SPIKY}/seed{s}" for s in range(3))))
     table = dose.sensitivity_table(runs)
     labels = [label for label, _ in sensitivity_settings(CollapseThresholds())]
-    assert labels == list(dose.SENSITIVITY_LABELS)
+    assert labels == list(SENSITIVITY_LABELS)
     assert {f"collapsed[{label}]" for label in labels} | {f"unconfirmed[{label}]" for label in labels} <= set(table)
     expected = {label: 0 for label in labels}
     for seed in range(3):

@@ -1,4 +1,4 @@
-"""The registered dose-response at fixed trainer arithmetic (issue 68, item 2; analysis.dose_response): on runs made
+"""The registered dose-response at fixed trainer arithmetic (issue 68, item 2; analysis.dose.response): on runs made
 to a known law, the per-seed slope, the gain predicted at zero mismatch, the deficit and the share of it the mismatch
 explains come back within their exact intervals; nothing is read from an unfinished grid or across CPU types; the
 decision names only arms the grid has."""
@@ -33,7 +33,7 @@ SPEC = {"doses": list(DOSES)}
 
 
 def test_a_mismatch_that_explains_the_whole_deficit_is_read_as_such():
-    from analysis.dose_response import dose_response
+    from analysis.dose.response import dose_response
 
     # gain 0.20 - 1.0 x mismatch: stock BF16 (0.03) loses 0.03; fp32 (no mismatch) gains 0.20 -> share 1
     d = dose_response(_runs(cost=1.0, floor_gain=0.20), SPEC, RULE)
@@ -46,7 +46,7 @@ def test_a_mismatch_that_explains_the_whole_deficit_is_read_as_such():
 
 
 def test_no_dependence_on_the_dose_explains_none_of_the_deficit():
-    from analysis.dose_response import dose_response
+    from analysis.dose.response import dose_response
 
     d = dose_response(_runs(cost=0.0, floor_gain=0.26, seed=1), SPEC, RULE)
     assert d["slope"]["shift"]["low"] < 0 < d["slope"]["shift"]["high"]
@@ -55,7 +55,7 @@ def test_no_dependence_on_the_dose_explains_none_of_the_deficit():
 
 
 def test_the_lowest_collapsing_dose_unfinished_runs_and_mixed_cpus():
-    from analysis.dose_response import dose_response
+    from analysis.dose.response import dose_response
 
     d = dose_response(_runs(cost=1.0, floor_gain=0.2, collapse="perturb-m4"), SPEC, RULE)
     assert d["lowest_collapsing"]["arm"] == "perturb-m4" and d["arms"]["perturb-m4"]["collapsed"] == 8
@@ -69,7 +69,7 @@ def test_the_lowest_collapsing_dose_unfinished_runs_and_mixed_cpus():
 
 def test_the_statement_prints_every_estimand():
     from analysis.collapse_search import decided_text
-    from analysis.dose_response import dose_response
+    from analysis.dose.response import dose_response
 
     text = decided_text({"dose_response": dose_response(_runs(cost=1.0, floor_gain=0.2), SPEC, RULE)}, "grid")
     for part in ("**Dose-response** (8 seeds", "slope per unit mean |dlogp|", "gain predicted at zero mismatch",
@@ -106,7 +106,7 @@ def _probe(ratios):
 
 
 def test_the_pilot_chooses_doses_spanning_its_written_range():
-    from analysis.dose_response import choose_doses
+    from analysis.dose.response import choose_doses
 
     probe = _probe({"perturb-m6": 1.1, "perturb-m5": 1.6, "perturb-m4": 2.9, "perturb-m3": 6.0, "perturb-m2": 20.0})
     assert choose_doses(probe, PILOT) == ["perturb-m5", "perturb-m4", "perturb-m3"]  # 1.6x, 2.9x (geometric middle), 6x
@@ -127,7 +127,7 @@ def test_the_registered_pilot_probes_every_candidate_and_the_grid_is_its_choice(
     dose arms are the rule's choice on the committed pilot table."""
     import yaml
 
-    from analysis.dose_response import choose_doses
+    from analysis.dose.response import choose_doses
     from tests.conftest import REPO
     from tests.test_pipeline import snakemake
 
@@ -174,11 +174,11 @@ def test_the_pilot_command_prints_the_choice_or_refuses(tmp_path):
     probe = tmp_path / "probe.csv"
     _probe({"perturb-m6": 1.1, "perturb-m5": 1.6, "perturb-m4": 2.9, "perturb-m3": 6.0, "perturb-m2": 20.0}).to_csv(
         probe, index=False)
-    proc = run_py(["-m", "analysis.dose_response", "--probe", str(probe), "--configfile",
+    proc = run_py(["-m", "analysis.dose.response", "--probe", str(probe), "--configfile",
                    str(REPO / "experiments/dose-smollm2.yaml")])
     assert proc.returncode == 0, proc.stderr
     assert "dose_response: {doses: [none, perturb-m5, perturb-m4, perturb-m3], floor_arm: fp32}" in proc.stdout
     assert "perturb-m5: {numerics: {sampler_perturbation: {mantissa_bits: 5}}}" in proc.stdout
-    proc = run_py(["-m", "analysis.dose_response", "--probe", str(tmp_path / "none.csv"), "--configfile",
+    proc = run_py(["-m", "analysis.dose.response", "--probe", str(tmp_path / "none.csv"), "--configfile",
                    str(REPO / "experiments/dose-smollm2.yaml")])
     assert proc.returncode == 2 and "run the pilot first" in proc.stderr

@@ -72,7 +72,7 @@ def test_the_run_config_refuses_is_with_sampler_old_logprobs(correction):
 def test_dose_grid_skips_and_marks_those_cells():
     import yaml
 
-    from analysis.dose import dose_rows, invalid_setting, thresholds
+    from analysis.dose.stats import dose_rows, invalid_setting, thresholds
     from rpa.workflow.experiments import kind_cells
     from tests.conftest import REPO
 

@@ -35,7 +35,7 @@ def test_the_abstract_is_short_and_quotes_the_committed_tables():
     """<= 250 words, <= 25 numbers, and every number in it formatted here from the committed tables: the SmolLM2
     probe's changes (AMD reference), the stock BF16 collapse counts summed over every experiment, the post-hoc and
     pre-registered learning-gain shifts with their exact intervals, the positive control's ratio."""
-    from analysis.dose_stats import anchor_positions, thresholds
+    from analysis.dose.stats import anchor_positions, thresholds
     from analysis.paper.front import ABSTRACT_NUMBERS, ABSTRACT_WORDS, abstract, numbers, words
 
     text = abstract(_committed_front())

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.dose_stats import anchor_positions, groups, thresholds
-from analysis.dose_text import statement
+from analysis.dose.stats import anchor_positions, groups, thresholds
+from analysis.dose.text import statement
 from analysis.latex import booktabs, escape, readable
 from analysis.paper.provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
 from analysis.paper.front import gather, write_front

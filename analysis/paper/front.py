@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.collapse_stats import clopper_pearson
-from analysis.dose_stats import anchor_positions, thresholds
+from analysis.dose.stats import anchor_positions, thresholds
 from analysis.latex import escape
 from analysis.paper.search import effect_reading, unfinished_runs
 from rpa.core.jsonfiles import write_text

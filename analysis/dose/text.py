@@ -1,6 +1,6 @@
 """The positive control's text (:mod:`analysis.dose`): the threshold statement per curve
 (:func:`statement`, also the paper's) and ``dose.md`` (:func:`markdown`), from the tables of
-:mod:`analysis.dose_stats`.
+:mod:`analysis.dose.stats`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.dose_stats import earliest_collapse_step, listed, mismatch_steps_of, window_text
+from analysis.dose.stats import earliest_collapse_step, listed, mismatch_steps_of, window_text
 from analysis.runs import SENSITIVITY_LABELS, flags
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 

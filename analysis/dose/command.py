@@ -9,7 +9,7 @@ definition: ``stable``, ``unconfirmed`` (a drop the run ended too soon to judge;
 own column, never as stable) or ``collapsed``; grad-norm spikes and recoveries are reported
 beside them. Writes
 
-* ``dose_runs.csv`` -- one row per run (:data:`analysis.dose_stats.RUN_COLUMNS`), with its verdict
+* ``dose_runs.csv`` -- one row per run (:data:`analysis.dose.stats.RUN_COLUMNS`), with its verdict
   under each variation of :func:`rpa.train.collapse.sensitivity_settings`, the rule version that
   produced it (``rule_version``), whether the run's ``summary.json`` holds an earlier rule's different
   verdict (``summary_superseded``), and beside the smoothed final reward the raw terminal reward
@@ -20,12 +20,12 @@ beside them. Writes
 * ``dose.md`` -- all of them, the collapse threshold per curve and where the BF16 arms sit;
 * a figure: collapse fraction, final reward and phantom-clip rate vs measured mismatch.
 
-The rows and statistics are in :mod:`analysis.dose_stats`, the text (``dose.md``, the threshold
-statements) in :mod:`analysis.dose_text`, the figure in :mod:`analysis.dose_figures`.
+The rows and statistics are in :mod:`analysis.dose.stats`, the text (``dose.md``, the threshold
+statements) in :mod:`analysis.dose.text`, the figure in :mod:`analysis.dose.figures`.
 
 **The dose** (x-axis) of a run is its mismatch over a fixed *early window*: the mean of
 ``mismatch/mean_abs_dlogp`` (and of every other ``mismatch/*`` column) over steps
-1..K (``--mismatch-steps``, default :data:`analysis.dose_stats.MISMATCH_STEPS`), the same window
+1..K (``--mismatch-steps``, default :data:`analysis.dose.stats.MISMATCH_STEPS`), the same window
 for every run and ending before any run of the committed grid collapsed. The mismatch of a collapsing run rises
 after its collapse (a collapsed policy is further from the sampler's), so a mean over all steps
 would place collapsed runs further right partly *because* they collapsed.
@@ -48,13 +48,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from analysis.dose_figures import figure
-from analysis.dose_stats import (CHI2_1_95, MISMATCH_STEPS, anchor_positions, collapse_rule, dose_rows,  # noqa: F401
-                                 earliest_collapse_step, groups, invalid_setting, listed, profile_loglik,
-                                 sensitivity_table, sensitivity_thresholds, threshold, thresholds)
-from analysis.dose_text import markdown, statement
-from analysis.refusal import run
-from analysis.runs import SENSITIVITY_LABELS  # noqa: F401
+from analysis.dose.figures import figure
+from analysis.dose.stats import (MISMATCH_STEPS, anchor_positions, collapse_rule, dose_rows, groups,
+                                 sensitivity_table, sensitivity_thresholds, thresholds)
+from analysis.dose.text import markdown, statement
 from rpa.core.jsonfiles import atomic_path, write_text
 
 
@@ -84,6 +81,3 @@ def main() -> None:
     figure(per_group, anchors, args.figure, runs, th)
     print("\n".join(statement(th, anchors)))
 
-
-if __name__ == "__main__":
-    raise SystemExit(run(main))

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.collapse_stats import clopper_pearson
-from analysis.dose_stats import _logistic_fit, counted, dose_arms, window_text
+from analysis.dose.stats import _logistic_fit, counted, dose_arms, window_text
 from analysis.paired import t975
 from analysis.plots import plt, save_figure
 

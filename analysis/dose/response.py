@@ -140,7 +140,7 @@ def choose_doses(probe: pd.DataFrame, rule: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m analysis.dose_response --probe P --configfile C``: the doses the config's ``dose_pilot`` rule
+    """``python -m analysis.dose.response --probe P --configfile C``: the doses the config's ``dose_pilot`` rule
     chooses from the pilot's probe table, printed as the grid entry's arm labels and dose list."""
     import argparse
     from pathlib import Path
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     rule = (load_yaml(args.configfile) or {}).get("dose_pilot")
     if not rule:
         raise Refused(f"{args.configfile}: no dose_pilot rule")
-    schema = load_yaml(Path(__file__).resolve().parents[1] / "experiments/schema/config.schema.yaml")
+    schema = load_yaml(Path(__file__).resolve().parents[2] / "experiments/schema/config.schema.yaml")
     defaults = {k: v["default"] for k, v in schema["properties"]["dose_pilot"]["properties"].items() if "default" in v}
     if not args.probe.is_file():
         raise Refused(f"--probe {args.probe}: no such file (run the pilot first)")
