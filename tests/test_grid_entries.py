@@ -347,7 +347,7 @@ def test_a_preset_entrys_analysis_writes_the_tables_its_section_writes(tmp_path,
         if name:
             args += ["--manifest", paths["manifest"]]
         monkeypatch.setattr(sys, "argv", [f"analysis.{kind}", "--results", str(results), *args])
-        command = {"dose": "analysis.dose.command"}.get(kind, f"analysis.{kind}")  # a kind's package: its command
+        command = f"analysis.{kind}.command"  # a kind's package: its command
         importlib.import_module(command).main()  # the module's command line, in this process
         outputs[form] = {p.name: p.read_text() for p in Path(paths["tables"]).iterdir() if p.is_file()}
         assert sorted(p.name for p in Path(paths["figures"]).iterdir())

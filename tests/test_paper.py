@@ -186,7 +186,7 @@ def test_paper_from_committed_results_has_nothing_off_the_margin(tmp_path):
 def test_every_arm_has_a_clearly_different_colour():
     from matplotlib.colors import to_rgb
 
-    from analysis.study import arm_colors, arm_styles
+    from analysis.study.figures import arm_colors, arm_styles
 
     arms = [f"arm{i}" for i in range(13)]
     colours = [to_rgb(c) for c in arm_colors(arms).values()]

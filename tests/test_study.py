@@ -374,7 +374,7 @@ def test_paper_builds_from_committed_results_or_says_what_is_missing(tmp_path):
 
 
 def test_every_arm_has_its_own_colour():
-    from analysis.study import arm_colors
+    from analysis.study.figures import arm_colors
 
     arms = list(STUDY["study"]["arms"])
     colours = arm_colors(arms)
@@ -415,7 +415,8 @@ def _manifest(results, model: str, arms: list[str], seeds: list[int]) -> dict:
 
 
 def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation(tmp_path):
-    from analysis.study import collapse_table, readable_sensitivity, sensitivity_table, study_rows
+    from analysis.study.command import readable_sensitivity
+    from analysis.study.stats import collapse_table, sensitivity_table, study_rows
     from rpa.train.collapse import CollapseThresholds, sensitivity_settings
 
     manifest = _manifest(tmp_path, "m", ["none"], [0, 1, 2])
@@ -441,7 +442,8 @@ def test_collapse_table_shows_unconfirmed_spikes_and_every_sensitivity_variation
 def test_train_mismatch_change_is_paired_by_seed_and_step_with_a_t_interval(tmp_path):
     import math
 
-    from analysis.study import mismatch_table, readable_mismatch, study_rows
+    from analysis.study.command import readable_mismatch
+    from analysis.study.stats import mismatch_table, study_rows
 
     manifest = _manifest(tmp_path, "m", ["none", "rope"], [0, 1, 2])
     log_ratio = {0: 0.1, 1: 0.2, 2: 0.3}  # per seed; the steps' ratios scatter around it
@@ -477,7 +479,8 @@ def pd_isna(value) -> bool:
 def test_positions_stock_probe_change_is_not_a_measurement(tmp_path):
     import numpy as np
 
-    from analysis.study import latex_mismatch, mismatch_table, readable_mismatch, study_rows
+    from analysis.study.command import latex_mismatch, readable_mismatch
+    from analysis.study.stats import mismatch_table, study_rows
     from tests.test_aggregate import write_probe
 
     arms = ["none", "positions-stock", "rope"]
@@ -505,7 +508,7 @@ def test_positions_stock_probe_change_is_not_a_measurement(tmp_path):
 def test_latex_tables_keep_few_columns():
     import pandas as pd
 
-    from analysis.study import latex_collapse
+    from analysis.study.command import latex_collapse
 
     table = pd.DataFrame({"model": ["m"], "arm": ["none"], "runs": [3], "finished": [3], "failed": [0], "missing": [0],
                           "collapsed": ["1/3"], "unconfirmed": pd.array([1], dtype="Int64"),
@@ -625,7 +628,7 @@ def test_committed_collapse_table_has_the_raw_terminal_reward_and_the_paper_the_
 
 
 def test_figures_facet_the_arms_by_family():
-    from analysis.study import arm_families
+    from analysis.study.figures import arm_families
 
     arms = list(STUDY["study"]["arms"])
     families = arm_families(arms)

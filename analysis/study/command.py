@@ -6,8 +6,8 @@ and ``RESULTS/figures/grids/<entry>``) and the run directories it lists.
 Every expected cell appears: a run without a summary is ``missing``, one that ended in an
 error is ``failed``; neither is dropped. Verdicts are recomputed from each run's
 ``metrics.jsonl`` with the thresholds of its config (:func:`rpa.train.collapse.run_verdict`).
-The rows and statistics are in :mod:`analysis.study_stats`, the figures in
-:mod:`analysis.study_figures`; this module writes the tables (their readable and LaTeX forms and
+The rows and statistics are in :mod:`analysis.study.stats`, the figures in
+:mod:`analysis.study.figures`; this module writes the tables (their readable and LaTeX forms and
 captions).
 
 Tables (CSV, Markdown, LaTeX/booktabs) under ``RESULTS/tables``:
@@ -43,7 +43,7 @@ Figures under ``RESULTS/figures``: ``study_rewards`` (reward vs step per size, m
 band over seeds clipped to [0, 1]; eval accuracy at its few eval steps, mean and sd error
 bars), ``study_mismatch_curves`` (in-training mismatch, log scale), ``study_heatmap``
 (collapsed share per size x arm; missing cells grey). One colour per arm everywhere
-(:func:`analysis.study_figures.arm_colors`), one legend per figure.
+(:func:`analysis.study.figures.arm_colors`), one legend per figure.
 """
 
 from __future__ import annotations
@@ -55,11 +55,9 @@ import pandas as pd
 
 from analysis.latex import booktabs
 from analysis.paired import fmt_change
-from analysis.refusal import run
 from analysis.runs import MANIFEST, read_manifest, section_of
-from analysis.study_figures import (arm_colors, arm_families, arm_styles, heatmap, mismatch_figure,  # noqa: F401
-                                    reward_figure)
-from analysis.study_stats import collapse_table, mismatch_table, sensitivity_table, study_rows
+from analysis.study.figures import heatmap, mismatch_figure, reward_figure
+from analysis.study.stats import collapse_table, mismatch_table, sensitivity_table, study_rows
 from rpa.core.jsonfiles import atomic_path, write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 
@@ -223,6 +221,3 @@ def main() -> None:
     states = runs.state.value_counts().to_dict()
     print(f"study: {len(runs)} cells: {states}")
 
-
-if __name__ == "__main__":
-    raise SystemExit(run(main))

@@ -1,7 +1,7 @@
 """The study's figures (:mod:`analysis.study`): reward and held-out accuracy (``study_rewards``,
 ``study_accuracy``) and in-training mismatch (``study_mismatch_curves``) per arm family and model,
 mean and sd band over seeds; the collapse heatmap (``study_heatmap``). One colour per arm everywhere
-(:func:`arm_colors`), one legend per figure. Drawn from the rows of :func:`analysis.study_stats.study_rows`.
+(:func:`arm_colors`), one legend per figure. Drawn from the rows of :func:`analysis.study.stats.study_rows`.
 """
 
 from __future__ import annotations

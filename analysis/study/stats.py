@@ -2,7 +2,7 @@
 :func:`analysis.runs.runs_table`), the collapse and sensitivity counts per model x arm, and the
 mismatch per model x arm with its paired changes vs the reference arm (offline: the probe's paired
 bootstrap over sequences; in training: paired by seed, :mod:`analysis.paired`). What each column
-means: :mod:`analysis.study`, which writes the tables; the figures are in :mod:`analysis.study_figures`.
+means: :mod:`analysis.study`, which writes the tables; the figures are in :mod:`analysis.study.figures`.
 """
 
 from __future__ import annotations
