@@ -15,17 +15,11 @@ from analysis.dose.stats import anchor_positions, groups, thresholds
 from analysis.dose.text import statement
 from analysis.latex import booktabs, escape, readable
 from analysis.paper.provenance import commit_of, dose_rule, provenance, study_rule, study_old_logprobs
-from analysis.paper.front import gather, write_front
+from analysis.paper.front import below_zero, gather, write_front
 from analysis.runs import MANIFEST, read_manifest
 from rpa.workflow.paper import by_kind, first
 from rpa.core.jsonfiles import write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
-
-
-def _below_zero(rows: pd.DataFrame, prefix: str) -> tuple[int, int]:
-    """(models whose 95% interval of the change lies below zero, models with an interval)."""
-    rows = rows[rows[f"{prefix}_high"].notna()]
-    return int((rows[f"{prefix}_high"] < 0).sum()), len(rows)
 
 
 def dose_parts(results: Path, out_dir: Path) -> str:
@@ -85,7 +79,7 @@ def miniature_note(results: Path, manifest: dict, dose_results: Path | None = No
     for arm, what in (("all", "Aligning all three regions"), ("rope", "Aligning RoPE alone")):
         rows = mismatch[mismatch["arm"] == arm]
         if len(rows):
-            probe, train = _below_zero(rows, "probe_mean_abs_dlogp"), _below_zero(rows, "train_mean_abs_dlogp")
+            probe, train = below_zero(rows, "probe_mean_abs_dlogp"), below_zero(rows, "train_mean_abs_dlogp")
             said.append(f"{what} lowers the mismatch with a 95% interval below zero on {probe[0]} of {probe[1]} sizes "
                         f"offline and on {train[0]} of {train[1]} during training")
     text = "; ".join(said) + " (the mismatch table)." if said else ""

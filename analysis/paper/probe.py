@@ -11,7 +11,7 @@ import pandas as pd
 
 from analysis.latex import booktabs, escape
 from analysis.paired import fmt_change
-from analysis.paper.front import MOST, REAL_MODEL, cpu_words
+from analysis.paper.front import MOST, cpu_words, real_model_probe
 from rpa.core.jsonfiles import write_text
 
 
@@ -20,8 +20,7 @@ def probe_section(probe_results: list[Path], out_dir: Path) -> Path | None:
     path = out_dir / "probe_section.tex"
     tables = {}
     for results in probe_results:
-        table = pd.read_csv(results / "tables" / "probe.csv")
-        tables[cpu_words(results)] = table[table["model"] == REAL_MODEL].set_index("config")
+        tables[cpu_words(results)] = real_model_probe(results)
     tables = {cpu: t for cpu, t in tables.items() if len(t)}
     if not tables:
         path.unlink(missing_ok=True)
@@ -67,4 +66,5 @@ def _reading(tables: dict[str, pd.DataFrame]) -> str:
                     f"{fmt_change(a['mean_abs_dlogp_change'], a['mean_abs_dlogp_low'], a['mean_abs_dlogp_high'])}, and "
                     f"the trainer's attention in FP32 as well {most} "
                     f"({fmt_change(b['mean_abs_dlogp_change'], b['mean_abs_dlogp_low'], b['mean_abs_dlogp_high'])})")
-    return ("; ".join(said)[:1].upper() + "; ".join(said)[1:] + ".") if said else ""
+    text = "; ".join(said)
+    return f"{text[:1].upper()}{text[1:]}." if text else ""

@@ -16,8 +16,7 @@ import pandas as pd
 from analysis.collapse_stats import leave_one_out, paired_contrast, paired_reading
 from analysis.latex import booktabs, escape, readable
 from analysis.runs import cells_by_folder, decode_probes
-from rpa.core.jsonfiles import read_jsonl
-from rpa.core.jsonfiles import write_text
+from rpa.core.jsonfiles import read_jsonl, write_text
 from rpa.train.collapse import RULE_VERSION, TERMINAL_STEPS
 
 
@@ -127,11 +126,11 @@ def _questions_table(grid: dict, what: str = "The real-model grid's", label: str
                                         if shift else None),
                      "answer": q["answer"]})
     alpha = (grid.get("questions") or {}).get("alpha")
-    return [_description({name: q["question"] for name, q in qs.items()}), booktabs(pd.DataFrame(rows), f"{what} questions (collapse counts: finished "
-                                   f"runs; alpha {alpha}; the reward AUC difference paired by seed beside the verdict, "
-                                   f"with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
-                                   f"the exact interval that inverts it; zero differences are dropped from the test "
-                                   f"and its interval alike)", label, placement="H")]
+    caption = (f"{what} questions (collapse counts: finished runs; alpha {alpha}; the reward AUC difference paired by "
+               f"seed beside the verdict, with an exact two-sided signed-rank test, and the Hodges-Lehmann shift with "
+               f"the exact interval that inverts it; zero differences are dropped from the test and its interval alike)")
+    return [_description({name: q["question"] for name, q in qs.items()}),
+            booktabs(pd.DataFrame(rows), caption, label, placement="H")]
 
 
 def _description(items: dict[str, str]) -> str:

@@ -151,6 +151,26 @@ def _sampling_problems(config: dict[str, Any], name: str) -> list[str]:
     return problems + _configs_problems(config, sampling["configs"], "samples at each setting")
 
 
+def _dose_pilot_problems(config: dict[str, Any]) -> list[str]:
+    """What is wrong with a dose pilot's rule (``dose_pilot``; its defaults filled in by the schema): a model or
+    probe configuration it names that the config lacks, a candidate that perturbs nothing, ``low`` not below
+    ``high``."""
+    pilot = config.get("dose_pilot")
+    if not pilot:
+        return []
+    problems = []
+    if pilot["model"] not in (config.get("models") or {}):
+        problems.append(f"dose_pilot.model: {pilot['model']!r} is not a name in models")
+    configs = config["probe"]["configs"]
+    problems += [f"dose_pilot: {c!r} is not a name in probe.configs" for c in [pilot["reference"], *pilot["candidates"]]
+                 if c not in configs]
+    problems += [f"dose_pilot.candidates: {c!r} has no sampler_perturbation (a dose perturbs the sampler)"
+                 for c in pilot["candidates"] if c in configs and not configs[c].get("sampler_perturbation")]
+    if pilot["low"] >= pilot["high"]:
+        problems.append(f"dose_pilot: low ({pilot['low']}) must be below high ({pilot['high']})")
+    return problems
+
+
 def _configs_problems(config: dict[str, Any], names: list[str], sampler_role: str) -> list[str]:
     """What is wrong with a list of probe configuration ``names`` a model runs: a name not in
     ``probe.configs``, or the sampler missing (``sampler_role``: what it does for the others)."""
@@ -224,17 +244,7 @@ def check_config(config: dict[str, Any]) -> CheckedGrids:
     problem = sections_problem(config_sections(config))
     if problem:
         problems.append(problem)
-    pilot = config.get("dose_pilot")
-    if pilot:
-        if pilot["model"] not in (config.get("models") or {}):
-            problems.append(f"dose_pilot.model: {pilot['model']!r} is not a name in models")
-        configs = config["probe"]["configs"]
-        problems += [f"dose_pilot: {c!r} is not a name in probe.configs" for c in [pilot["reference"], *pilot["candidates"]]
-                     if c not in configs]
-        problems += [f"dose_pilot.candidates: {c!r} has no sampler_perturbation (a dose perturbs the sampler)"
-                     for c in pilot["candidates"] if c in configs and not configs[c].get("sampler_perturbation")]
-        if pilot.get("low", 1.5) >= pilot.get("high", 5.0):
-            problems.append(f"dose_pilot: low ({pilot.get('low', 1.5)}) must be below high ({pilot.get('high', 5.0)})")
+    problems += _dose_pilot_problems(config)
     try:
         if not parse_regions(config["parity"]["regions"]):
             problems.append("parity.regions: 'none' has nothing to check; use 'all' or a region subset")
